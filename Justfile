@@ -1,0 +1,42 @@
+# flowgrpo tasks. Every recipe sets up what it needs first (see `setup`).
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := justfile_directory() / ".venv"
+python := venv / "bin/python"
+export HF_HUB_OFFLINE := env_var_or_default("HF_HUB_OFFLINE", "1")
+
+# List the recipes.
+default:
+    @just --list
+
+# Create .venv and install flowgrpo with its test and OCR extras (idempotent, fast when done).
+setup:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    # --system-site-packages: a torch you installed yourself (CUDA, ROCm) stays visible and is
+    # kept; torch==2.13.0 is installed only when no torch can be imported at all.
+    [ -x "{{python}}" ] || python3 -m venv --system-site-packages "{{venv}}"
+    if ! "{{python}}" -c "import torch" 2>/dev/null; then
+        "{{python}}" -m pip install --quiet torch==2.13.0
+    fi
+    stamp="{{venv}}/.flowgrpo-installed"
+    if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+        "{{python}}" -m pip install --quiet -e '.[ocr,dev]'
+        touch "$stamp"
+    fi
+
+# The main job on the built-in tiny model.
+demo: setup
+    {{venv}}/bin/flowgrpo prepare --config examples/tiny.toml
+
+# Lint, format check and the whole test suite.
+test: setup
+    {{venv}}/bin/ruff check .
+    {{venv}}/bin/ruff format --check .
+    {{python}} -m pytest
+
+# Apply the formatter and the linter's safe fixes.
+fmt: setup
+    {{venv}}/bin/ruff format .
+    {{venv}}/bin/ruff check --fix .

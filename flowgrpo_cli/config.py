@@ -1,0 +1,569 @@
+"""The typed run config: one TOML file per run, validated on load.
+
+Each section is a dataclass whose fields carry their help text and their allowed values, so
+validation, the README's config reference and `flowgrpo config --help-keys` read from one
+place. Every problem found is reported at once, each naming the key, the file and line where
+it was set, and what is allowed (or the closest valid key for a typo).
+
+Fields marked ``affects_results=False`` (process counts, worker counts, devices) may differ
+between commands on the same run: they change how fast a run goes, not what it computes, so
+they are left out of the config hash that manifests record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from flowgrpo_cli.errors import FlowGrpoError
+
+Check = Callable[[Any], str | None]
+
+
+def _option(
+    default: Any,
+    help: str,
+    *,
+    check: Check | None = None,
+    path: bool = False,
+    affects_results: bool = True,
+) -> Any:
+    meta = {"help": help, "check": check, "path": path, "affects_results": affects_results}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _at_least(low: float) -> Check:
+    return lambda v: None if v >= low else f"must be >= {low}"
+
+
+def _positive(v: float) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _in_unit_interval(v: float) -> str | None:
+    return None if 0.0 < v <= 1.0 else "must be in (0, 1]"
+
+
+def _decay(v: float) -> str | None:
+    return None if 0.0 <= v < 1.0 else "must be in [0, 1) (0 turns EMA off)"
+
+
+def _window_range(v: list[int]) -> str | None:
+    if not v:
+        return None
+    if len(v) != 2 or v[0] < 0 or v[1] < v[0]:
+        return (
+            "must be [] or [lo, hi] with 0 <= lo <= hi (the window's first step is drawn from it)"
+        )
+    return None
+
+
+@dataclass
+class RunSection:
+    dir: str = _option(
+        "runs/default",
+        "Run directory: config, data, iterations, checkpoints.",
+        path=True,
+        affects_results=False,
+    )
+    seed: int = _option(0, "Seed of everything random: prompt order, noise, dropout, splits.")
+
+
+@dataclass
+class DataSection:
+    train: str = _option(
+        "",
+        "Training prompts (txt in the paper's OCR format, jsonl, csv or "
+        "parquet with a `prompt` column).",
+        path=True,
+    )
+    test: str = _option(
+        "", "Test prompts; empty = split `test_fraction` off the train file.", path=True
+    )
+    test_fraction: float = _option(
+        0.1,
+        "Share of train prompts held out when `test` is empty.",
+        check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
+    )
+    skip_invalid: bool = _option(False, "Skip prompt lines with no quoted target (else an error).")
+    negative_prompt: str = _option("", "Negative prompt for every row lacking its own.")
+    system_prompt: str = _option("", "System prompt (Qwen-Image); empty = the pipeline's own.")
+
+
+@dataclass
+class ModelSection:
+    path: str = _option("", "Base pipeline: a local diffusers folder or a hub id.", path=True)
+    dtype: Literal["float32", "bfloat16", "float16"] = _option(
+        "bfloat16", "Transformer precision, the same in rollout and update; step math is float32."
+    )
+    device: str = _option(
+        "auto", "auto (cuda when available), cpu, cuda, cuda:N.", affects_results=False
+    )
+    height: int = _option(512, "Image height in pixels.", check=_at_least(16))
+    width: int = _option(512, "Image width in pixels.", check=_at_least(16))
+    max_sequence_length: int = _option(
+        0, "Text tokens for the long text encoder; 0 = the pipeline's default.", check=_at_least(0)
+    )
+
+
+@dataclass
+class SamplerSection:
+    kind: Literal["sde", "cps"] = _option("sde", "Stochastic step: the paper's SDE or CPS.")
+    noise_level: float = _option(
+        0.7, "Noise level a of the stochastic step (0 = Euler ODE).", check=_at_least(0.0)
+    )
+    num_steps: int = _option(10, "Denoising steps per rollout image.", check=_at_least(2))
+    guidance_scale: float = _option(
+        4.5, "CFG scale (FLUX.1-dev: the embedded guidance).", check=_at_least(1.0)
+    )
+    batch_size: int = _option(
+        8, "Images per transformer forward in rollout.", check=_at_least(1), affects_results=False
+    )
+    train_fraction: float = _option(
+        1.0, "Share of the trainable steps trained, first first.", check=_in_unit_interval
+    )
+    train_last_step: bool = _option(False, "Also train the last step (to sigma 0).")
+    window_size: int = _option(
+        0,
+        "SDE window: only W consecutive steps stochastic and "
+        "trained (Flow-GRPO-Fast / MixGRPO); 0 = every step.",
+        check=_at_least(0),
+    )
+    window_range: list[int] = _option(
+        [],
+        "[lo, hi]: the window's first step, drawn per iteration; [] = start at step 0.",
+        check=_window_range,
+    )
+    engine: Literal["diffusers", "vllm-omni"] = _option("diffusers", "Rollout engine.")
+
+
+@dataclass
+class RemoteRewardSection:
+    url: str = _option("", "URL the `remote` reward POSTs image batches to.")
+    timeout_s: float = _option(60.0, "Seconds to wait for one reply.", check=_positive)
+    max_retries: int = _option(
+        3, "Retries after a failed request (exponential backoff).", check=_at_least(0)
+    )
+    batch_size: int = _option(16, "Images per request.", check=_at_least(1))
+
+
+@dataclass
+class RewardSection:
+    weights: dict[str, float] = _option(
+        {"ocr": 1.0},
+        "Reward name -> weight; the total is the weighted sum. `module:function` names a plugin.",
+    )
+    ocr_workers: int = _option(
+        1, "OCR worker processes.", check=_at_least(1), affects_results=False
+    )
+    on_error: Literal["drop_sample", "drop_group", "stop"] = _option(
+        "drop_sample", "What a reward failure on one image does."
+    )
+    remote: RemoteRewardSection = field(default_factory=RemoteRewardSection)
+
+
+@dataclass
+class AlgorithmSection:
+    group_size: int = _option(24, "Images per prompt (the GRPO group).", check=_at_least(2))
+    prompts_per_iteration: int = _option(48, "Prompts (groups) per iteration.", check=_at_least(1))
+    advantage_std: Literal["global", "group", "none"] = _option(
+        "global", "Std that divides advantages: over the iteration, per group, or none (Dr. GRPO)."
+    )
+    advantage_clip: float = _option(5.0, "Advantages are clipped to +-this.", check=_positive)
+    clip_range: float = _option(1e-4, "PPO clip range eps of the policy ratio.", check=_positive)
+    beta: float = _option(
+        0.04, "Weight of the KL to the reference (LoRA disabled).", check=_at_least(0.0)
+    )
+    recompute_old_logprobs: bool = _option(
+        False, "Recompute old log-probs at the start of update instead of the rollout's."
+    )
+
+
+@dataclass
+class TrainSection:
+    mode: Literal["lora", "full"] = _option("lora", "Train LoRA adapters or the full transformer.")
+    lr: float = _option(3e-4, "AdamW learning rate.", check=_positive)
+    weight_decay: float = _option(1e-4, "AdamW weight decay.", check=_at_least(0.0))
+    warmup_steps: int = _option(
+        0, "Linear learning-rate warm-up, in optimizer steps.", check=_at_least(0)
+    )
+    max_grad_norm: float = _option(1.0, "Gradient-norm clip.", check=_positive)
+    micro_batch_size: int = _option(4, "Samples per forward in update.", check=_at_least(1))
+    inner_epochs: int = _option(1, "Passes over an iteration's samples.", check=_at_least(1))
+    lora_rank: int = _option(32, "LoRA rank r.", check=_at_least(1))
+    lora_alpha: int = _option(64, "LoRA alpha.", check=_at_least(1))
+    lora_targets: list[str] = _option(
+        [], "Module names to adapt; [] = the family's attention projections."
+    )
+    ema_decay: float = _option(0.0, "EMA of trained weights for evaluation; 0 = off.", check=_decay)
+    ema_interval: int = _option(1, "Optimizer steps between EMA updates.", check=_at_least(1))
+    gradient_checkpointing: bool = _option(
+        False, "Recompute activations in backward.", affects_results=False
+    )
+    mixed_precision: Literal["none", "bfloat16"] = _option(
+        "none", "FSDP2 mixed-precision policy for parameters in forward."
+    )
+
+
+@dataclass
+class EvalSection:
+    every: int = _option(
+        5, "Evaluate every k iterations (and before the first); 0 = never.", check=_at_least(0)
+    )
+    num_steps: int = _option(40, "ODE steps for evaluation images.", check=_at_least(1))
+    guidance_scale: float = _option(4.5, "CFG scale for evaluation.", check=_at_least(1.0))
+    num_prompts: int = _option(0, "Test prompts evaluated; 0 = all.", check=_at_least(0))
+
+
+@dataclass
+class DistributedSection:
+    backend: Literal["torch", "ray"] = _option(
+        "torch",
+        "torch = torch.distributed's launcher on this host; ray = a Ray cluster.",
+        affects_results=False,
+    )
+    nproc: int = _option(
+        1, "Ranks (processes, one per device).", check=_at_least(1), affects_results=False
+    )
+    ray_address: str = _option(
+        "", "Ray cluster address (`auto` = the local one).", affects_results=False
+    )
+    gpus_per_worker: float = _option(
+        0.0, "GPUs per Ray worker.", check=_at_least(0.0), affects_results=False
+    )
+    cpus_per_worker: float = _option(
+        1.0, "CPUs per Ray worker.", check=_positive, affects_results=False
+    )
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    sampler: SamplerSection = field(default_factory=SamplerSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where raw values came from, to point error messages at a file line or an override."""
+
+    file: Path | None
+    text: str
+    overrides: dict[str, str]  # dotted key -> the --set argument that set it
+
+    def where(self, dotted: str) -> str:
+        if dotted in self.overrides:
+            return f"--set {self.overrides[dotted]}"
+        if self.file is None:
+            return "defaults"
+        line = _line_of(self.text, dotted)
+        return f"{self.file}:{line}" if line else str(self.file)
+
+
+def _line_of(text: str, dotted: str) -> int | None:
+    """Line of `key = ...` inside its table, found by a scan (tomllib keeps no positions)."""
+    *table, key = dotted.split(".")
+    want = ".".join(table)
+    current = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        header = re.fullmatch(r"\[\s*([^\[\]]+?)\s*\]\s*(#.*)?", stripped)
+        if header:
+            current = header.group(1).replace(" ", "").replace('"', "")
+            if current == dotted:  # a table such as [reward.remote] itself
+                return number
+            continue
+        match = re.match(r'\s*"?([^"=\s]+)"?\s*=', line)
+        if match:
+            full = f"{current}.{match.group(1)}" if current else match.group(1)
+            if full == dotted or (current == want and match.group(1) == key):
+                return number
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return f"a table of {_type_name(typing.get_args(tp)[1])} values"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            return False, value
+        items = [_coerce(v, item_tp) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if origin is dict:
+        _, value_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            return False, value
+        items = {k: _coerce(v, value_tp) for k, v in value.items()}
+        return all(ok for ok, _ in items.values()), {k: v for k, (_, v) in items.items()}
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok and math.isfinite(value), float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    raise TypeError(f"unsupported config field type {tp}")
+
+
+def _expand_path(value: str) -> str:
+    return os.path.expandvars(os.path.expanduser(value)) if value else value
+
+
+def _build_section(
+    cls: type, raw: dict[str, Any], prefix: str, source: _Source, errors: list[str]
+) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f"; did you mean `{prefix}.{close[0]}`?" if close else ""
+            valid = ", ".join(fields)
+            errors.append(
+                f"{source.where(dotted)}: unknown key `{dotted}`{hint} "
+                f"(valid keys of [{prefix}]: {valid})"
+            )
+            continue
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                errors.append(f"{source.where(dotted)}: `{dotted}` must be a table")
+                continue
+            values[key] = _build_section(tp, value, dotted, source, errors)
+            continue
+        ok, coerced = _coerce(value, tp)
+        if not ok:
+            errors.append(f"{source.where(dotted)}: `{dotted}` = {value!r} is not {_type_name(tp)}")
+            continue
+        meta = fields[key].metadata
+        problem = meta["check"](coerced) if meta.get("check") else None
+        if problem:
+            errors.append(f"{source.where(dotted)}: `{dotted}` = {value!r} {problem}")
+            continue
+        values[key] = _expand_path(coerced) if meta.get("path") else coerced
+    return cls(**values)
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    """`sampler.noise_level=0.8` -> ("sampler.noise_level", 0.8); bare words stay strings."""
+    if "=" not in item:
+        raise FlowGrpoError(f"--set {item}: expected KEY=VALUE, e.g. sampler.noise_level=0.8")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[\w\-:\"]+)+", key):
+        raise FlowGrpoError(
+            f"--set {item}: `{key}` is not a dotted key such as sampler.noise_level"
+        )
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare path or name: `--set model.path=runs/tiny-model`
+    return key, value
+
+
+def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
+    *tables, last = [part.strip('"') for part in key.split(".")]
+    node = raw
+    for table in tables:
+        node = node.setdefault(table, {})
+        if not isinstance(node, dict):
+            raise FlowGrpoError(f"--set {key}: `{table}` is not a table")
+    node[last] = value
+
+
+def build_config(raw: dict[str, Any], source: _Source) -> Config:
+    errors: list[str] = []
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    values = {}
+    for name, table in raw.items():
+        if name not in sections:
+            close = difflib.get_close_matches(name, list(sections), n=1)
+            hint = f"; did you mean [{close[0]}]?" if close else ""
+            errors.append(
+                f"{source.where(name)}: unknown section [{name}]{hint} "
+                f"(valid sections: {', '.join(sections)})"
+            )
+        elif not isinstance(table, dict):
+            errors.append(f"{source.where(name)}: `{name}` must be a table ([{name}])")
+        else:
+            values[name] = _build_section(hints[name], table, name, source, errors)
+    if errors:
+        raise FlowGrpoError("invalid config:\n  " + "\n  ".join(errors))
+    return Config(**values)
+
+
+def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML config (or the defaults when path is None) and apply `--set` overrides."""
+    raw: dict[str, Any] = {}
+    text = ""
+    file = None
+    if path is not None:
+        file = Path(_expand_path(str(path)))
+        if not file.is_file():
+            raise FlowGrpoError(f"config file {file} does not exist")
+        text = file.read_text(encoding="utf-8")
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise FlowGrpoError(f"{file}: not valid TOML: {err}") from None
+    applied: dict[str, str] = {}
+    for item in overrides:
+        key, value = _parse_override(item)
+        _apply_override(raw, key, value)
+        applied[key.replace('"', "")] = item
+    return build_config(raw, _Source(file, text, applied))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing, hashing and comparing
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def _results_view(section: Any) -> dict[str, Any]:
+    """The fields that change what a run computes (see the module docstring)."""
+    out = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            out[f.name] = _results_view(value)
+        elif f.metadata.get("affects_results", True):
+            out[f.name] = value
+    return out
+
+
+def config_hash(config: Config, sections: tuple[str, ...] | None = None) -> str:
+    """Hash of the results-affecting values, of the whole config or of some sections."""
+    view = _results_view(config)
+    if sections is not None:
+        view = {name: view[name] for name in sections}
+    canonical = json.dumps(view, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_diff(old: Config, new: Config) -> list[str]:
+    """Lines `key: old -> new` for every results-affecting value that differs."""
+    a, b = _flatten(_results_view(old)), _flatten(_results_view(new))
+    return [
+        f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+        for key in sorted(a.keys() | b.keys())
+        if a.get(key) != b.get(key)
+    ]
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_\-]+", key) else json.dumps(key)
+
+
+def dumps_config(config: Config) -> str:
+    """The resolved config as TOML, every key written, each with its help as a comment."""
+    lines: list[str] = []
+
+    def section(obj: Any, name: str) -> None:
+        lines.append(f"[{name}]")
+        tables = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value) or isinstance(value, dict):
+                tables.append((f.name, value))
+                continue
+            lines.append(f"{f.name} = {_toml_value(value)}  # {f.metadata['help']}")
+        lines.append("")
+        for key, value in tables:
+            if isinstance(value, dict):
+                lines.append(f"[{name}.{key}]")
+                lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
+                lines.append("")
+            else:
+                section(value, f"{name}.{key}")
+
+    for f in dataclasses.fields(config):
+        section(getattr(config, f.name), f.name)
+    return "\n".join(lines)
+
+
+def iter_reference(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, str]]:
+    """(dotted key, default, help) for every key: the README's config reference."""
+    hints = typing.get_type_hints(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from iter_reference(tp, dotted + ".")
+        else:
+            yield dotted, _toml_value_or_table(getattr(defaults, f.name)), f.metadata["help"]
+
+
+def _toml_value_or_table(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    return _toml_value(value)

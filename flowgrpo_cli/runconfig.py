@@ -1,0 +1,55 @@
+"""Resolve the config a command runs with, and keep it consistent across a run's commands.
+
+The first command on a run writes the resolved config to `RUN/config.toml`. Later commands
+read it back; if the user passes a config (or `--set` overrides) that differs in anything that
+changes results, the command is refused with a diff, unless `allow_change` is set, in which
+case the new config replaces the stored one (stage manifests record the config hash, so
+outputs of the old config are redone, not mixed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from flowgrpo_cli.config import Config, config_diff, dumps_config, load_config
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rundir import RunDir, atomic_write_bytes
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    config: Config
+    run: RunDir
+
+
+def resolve_run(
+    config_file: Path | None,
+    overrides: list[str],
+    run_dir: Path | None = None,
+    *,
+    allow_change: bool = False,
+    write: bool = True,
+) -> ResolvedRun:
+    """Config from the run's stored copy, else `config_file`, else defaults; plus overrides."""
+    requested = load_config(config_file, overrides)
+    root = Path(run_dir) if run_dir is not None else Path(requested.run.dir)
+    run = RunDir(root.expanduser())
+    if run.config_path.is_file():
+        stored = load_config(run.config_path)
+        if config_file is None:  # `--set` alone adjusts the stored config
+            requested = load_config(run.config_path, overrides)
+        changes = config_diff(stored, requested)
+        if changes and not allow_change:
+            raise FlowGrpoError(
+                f"{run.config_path} holds a different config; changed keys:\n  "
+                + "\n  ".join(changes)
+                + "\nPass --allow-config-change to replace it (stages redo their outputs)."
+            )
+        if not changes and requested == stored:
+            write = False
+    config = replace(requested, run=replace(requested.run, dir=str(run.root)))
+    if write:
+        run.root.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(run.config_path, dumps_config(config).encode())
+    return ResolvedRun(config=config, run=run)

@@ -1,0 +1,305 @@
+"""The run directory: layout, atomic files, stage manifests, checksums and the writer lock.
+
+A stage's output folder counts only once its manifest.json exists. Every file is written under
+a temporary name in the same folder, flushed to disk, then renamed into place, so a crash
+never leaves a visible half-written part. The manifest, written last, records each part's size
+and sha256, the config hash and the hashes of the input manifests: verification names any part
+that was truncated or altered, and a re-run after a crash keeps the finished parts only when
+they were written for the same config and inputs (see ``StageWriter``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from flowgrpo_cli.errors import FlowGrpoError
+
+MANIFEST = "manifest.json"
+PENDING = "pending.json"
+SCHEMA_VERSION = 1
+_TMP_MARK = ".tmp-"
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory (DESIGN.md "The run directory")."""
+
+    root: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "run.lock"
+
+    def iteration_dir(self, iteration: int) -> Path:
+        return self.root / f"iter-{iteration:06d}"
+
+    def stage_dir(self, iteration: int, stage: str) -> Path:
+        return self.iteration_dir(iteration) / stage
+
+    def checkpoint_dir(self, iteration: int) -> Path:
+        return self.root / "checkpoints" / f"iter-{iteration:06d}"
+
+    def samples_path(self, iteration: int) -> Path:
+        return self.root / "samples" / f"iter-{iteration:06d}.png"
+
+    def iterations(self) -> list[int]:
+        """Iteration numbers that have a folder, in order."""
+        found = []
+        for path in self.root.glob("iter-*"):
+            suffix = path.name.removeprefix("iter-")
+            if path.is_dir() and suffix.isdigit():
+                found.append(int(suffix))
+        return sorted(found)
+
+
+def part_name(index: int, count: int, suffix: str = "arrow") -> str:
+    return f"part-{index:05d}-of-{count:05d}.{suffix}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic files
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary sibling of `path`; on success flush, fsync and rename it into place.
+
+    On any exception the temporary file is removed and `path` is left as it was.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, mode) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    with atomic_file(path, "wb") as handle:
+        handle.write(data)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifests
+
+
+def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
+    """The stage's manifest, or None while the stage is incomplete."""
+    path = stage_dir / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise FlowGrpoError(f"{path}: manifest is not valid JSON ({err})") from None
+
+
+def require_manifest(stage_dir: Path, what: str) -> dict[str, Any]:
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        raise FlowGrpoError(
+            f"{stage_dir} has no {MANIFEST}: the {what} is missing or did not "
+            f"finish; run `flowgrpo {what}` first"
+        )
+    return manifest
+
+
+def manifest_hash(stage_dir: Path) -> str:
+    """Identity of a finished stage output, recorded by the stages that read it."""
+    return sha256_file(stage_dir / MANIFEST)[:16]
+
+
+def verify_stage(stage_dir: Path) -> dict[str, Any]:
+    """Check every part listed in the manifest against its recorded size and sha256."""
+    manifest = read_manifest(stage_dir)
+    if manifest is None:
+        raise FlowGrpoError(f"{stage_dir}: incomplete (no {MANIFEST})")
+    for part in manifest["parts"]:
+        path = stage_dir / part["name"]
+        if not path.is_file():
+            raise FlowGrpoError(f"{path}: listed in the manifest but missing")
+        size = path.stat().st_size
+        if size != part["bytes"]:
+            raise FlowGrpoError(
+                f"{path}: {size} bytes, the manifest says {part['bytes']} (truncated or replaced)"
+            )
+        if sha256_file(path) != part["sha256"]:
+            raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered)")
+    return manifest
+
+
+class StageWriter:
+    """Writes one stage's output folder: parts first, the manifest last.
+
+    `identity` (config hash, input manifest hashes, anything else that determines the output)
+    is stored in pending.json when the stage starts. A re-run with the same identity keeps the
+    parts already finished (`has_part`) and writes only the missing ones; a re-run with another
+    identity removes them first, so old and new outputs are never mixed.
+    """
+
+    def __init__(self, stage_dir: Path, stage: str, identity: dict[str, Any]):
+        self.dir = stage_dir
+        self.stage = stage
+        self.identity = identity
+
+    def begin(self) -> bool:
+        """Prepare the folder; return False when the stage is already complete."""
+        manifest = read_manifest(self.dir)
+        if manifest is not None:
+            if manifest.get("identity") == self.identity:
+                return False
+            raise FlowGrpoError(
+                f"{self.dir} was finished with another config or other inputs; delete that "
+                "folder to redo the stage"
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        pending_path = self.dir / PENDING
+        pending = json.loads(pending_path.read_text()) if pending_path.is_file() else None
+        if pending != self.identity:
+            for stale in self.dir.iterdir():
+                if stale.is_file():
+                    stale.unlink()
+            atomic_write_json(pending_path, self.identity)
+        else:
+            for tmp in self.dir.glob(f"*{_TMP_MARK}*"):  # left by a killed writer
+                tmp.unlink(missing_ok=True)
+        return True
+
+    def has_part(self, name: str) -> bool:
+        return (self.dir / name).is_file()
+
+    def part_path(self, name: str) -> Path:
+        return self.dir / name
+
+    def finish(
+        self, parts: list[str], counts: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Write the manifest listing `parts` (already in place) and return it."""
+        entries = []
+        for name in parts:
+            path = self.dir / name
+            if not path.is_file():
+                raise FlowGrpoError(f"{path}: cannot finish {self.stage}, part missing")
+            entries.append(
+                {"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+            )
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "stage": self.stage,
+            "identity": self.identity,
+            "counts": counts,
+            "parts": entries,
+            **(extra or {}),
+        }
+        atomic_write_json(self.dir / MANIFEST, manifest)
+        (self.dir / PENDING).unlink(missing_ok=True)
+        return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# The single-writer lock
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """One writer per run: `run.lock` holds the owner's pid and host.
+
+    A lock whose owner is a dead process on this host is stale and taken over; a live owner,
+    or an owner on another host (whose liveness we cannot check), makes acquire() refuse.
+    """
+
+    def __init__(self, run_root: Path):
+        self.path = RunDir(run_root).lock_path
+        self._held = False
+
+    def acquire(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is None or (
+                    owner.get("host") == me["host"] and not _pid_alive(int(owner.get("pid", -1)))
+                ):
+                    self.path.unlink(missing_ok=True)  # stale: its writer is gone
+                    continue
+                where = "" if owner.get("host") == me["host"] else f" on host {owner['host']}"
+                raise FlowGrpoError(
+                    f"run {self.path.parent} is locked by pid {owner['pid']}{where}; another "
+                    f"flowgrpo command is writing to it. If no such process runs, delete "
+                    f"{self.path}"
+                ) from None
+            with os.fdopen(fd, "w") as handle:
+                json.dump(me, handle)
+            self._held = True
+            return self
+        raise FlowGrpoError(f"could not take the lock {self.path}: another process raced for it")
+
+    def _owner(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def release(self) -> None:
+        if self._held:
+            self.path.unlink(missing_ok=True)
+            self._held = False
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,134 @@
+"""`flowgrpo prepare`: prompt files -> RUN/data/{train,test}.parquet.
+
+Reads the training prompts (and test prompts, or splits a seeded share off the training
+file), checks every row, and writes the two tables every later stage reads. The output is
+byte-identical for the same inputs and config.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from flowgrpo_cli.config import Config, config_hash
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.prompts import PromptRow, format_problems, read_prompt_file
+from flowgrpo_cli.rundir import RunDir, StageWriter, atomic_file, read_manifest, sha256_file
+
+SPLITS = ("train", "test")
+COLUMNS = ("prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source")
+
+
+def _load(path: Path, skip_invalid: bool) -> tuple[list[PromptRow], int]:
+    parsed = read_prompt_file(path)
+    if parsed.problems and not skip_invalid:
+        raise FlowGrpoError(
+            f"{len(parsed.problems)} invalid prompt row(s) in {path} "
+            f"(pass --skip-invalid to skip them):\n  "
+            f"{format_problems(parsed.problems)}"
+        )
+    if not parsed.rows:
+        raise FlowGrpoError(f"{path}: no valid prompts")
+    return parsed.rows, len(parsed.problems)
+
+
+def _split(
+    rows: list[PromptRow], fraction: float, seed: int
+) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Hold out round(fraction * n) rows chosen by `seed`; both halves keep file order."""
+    held = round(fraction * len(rows))
+    if fraction > 0 and (held == 0 or held == len(rows)):
+        raise FlowGrpoError(
+            f"data.test_fraction = {fraction} of {len(rows)} prompts leaves an "
+            "empty split; give a test file or change the fraction"
+        )
+    chosen = set(random.Random(seed).sample(range(len(rows)), held))
+    train = [row for i, row in enumerate(rows) if i not in chosen]
+    test = [row for i, row in enumerate(rows) if i in chosen]
+    return train, test
+
+
+def _duplicates(rows: list[PromptRow]) -> list[dict[str, Any]]:
+    counts = Counter(row.prompt for row in rows)
+    firsts: dict[str, list[str]] = {}
+    for row in rows:
+        if counts[row.prompt] > 1:
+            firsts.setdefault(row.prompt, []).append(row.source)
+    return [{"prompt": prompt, "sources": sources} for prompt, sources in firsts.items()]
+
+
+def _table(rows: list[PromptRow], data: Any):  # -> pyarrow.Table
+    import pyarrow as pa
+
+    columns = {
+        "prompt_index": pa.array(range(len(rows)), pa.int64()),
+        "prompt": pa.array([r.prompt for r in rows], pa.string()),
+        "ground_truth": pa.array([r.ground_truth for r in rows], pa.string()),
+        "negative_prompt": pa.array(
+            [r.negative_prompt or data.negative_prompt for r in rows], pa.string()
+        ),
+        "system_prompt": pa.array([data.system_prompt] * len(rows), pa.string()),
+        "source": pa.array([r.source for r in rows], pa.string()),
+    }
+    return pa.table(columns)
+
+
+def _length_stats(rows: list[PromptRow]) -> dict[str, Any]:
+    lengths = [len(row.ground_truth) for row in rows]
+    if not lengths:
+        return {}
+    edges = [(1, 5), (6, 10), (11, 20), (21, 30), (31, None)]
+    histogram = {
+        (f"{lo}-{hi}" if hi else f"{lo}+"): sum(
+            lo <= n and (hi is None or n <= hi) for n in lengths
+        )
+        for lo, hi in edges
+    }
+    return {
+        "min": min(lengths),
+        "median": statistics.median(lengths),
+        "max": max(lengths),
+        "histogram": histogram,
+    }
+
+
+def run(config: Config, run: RunDir) -> dict[str, Any]:
+    """Write the data tables (unless already written for the same inputs); return the manifest."""
+    import pyarrow.parquet as pq
+
+    data = config.data
+    if not data.train:
+        raise FlowGrpoError("no training prompts: set data.train in the config or pass --train")
+    train_path = Path(data.train)
+    test_path = Path(data.test) if data.test else None
+    inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
+    # Only what shapes the tables: later sections may change without redoing the data.
+    identity = {"config": config_hash(config, ("data", "run")), "inputs": inputs}
+    writer = StageWriter(run.data_dir, "prepare", identity)
+    if not writer.begin():
+        return read_manifest(run.data_dir)
+
+    train, skipped = _load(train_path, data.skip_invalid)
+    if test_path is not None:
+        test, skipped_test = _load(test_path, data.skip_invalid)
+        skipped += skipped_test
+    else:
+        train, test = _split(train, data.test_fraction, config.run.seed)
+
+    test_prompts = {row.prompt for row in test}
+    overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})
+    splits = {"train": train, "test": test}
+    for name, rows in splits.items():
+        with atomic_file(writer.part_path(f"{name}.parquet")) as handle:
+            pq.write_table(_table(rows, data), handle, compression="zstd")
+    summary = {
+        "skipped_invalid": skipped,
+        "duplicates": {name: _duplicates(rows) for name, rows in splits.items()},
+        "train_test_overlap": overlap,
+        "target_length": {name: _length_stats(rows) for name, rows in splits.items()},
+    }
+    counts = {name: len(rows) for name, rows in splits.items()}
+    return writer.finish([f"{name}.parquet" for name in SPLITS], counts, {"summary": summary})

@@ -1,0 +1,218 @@
+"""`flowgrpo prepare`: every input format, every error, determinism, the paper's prompt file."""
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from flowgrpo_cli.cli import app
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.prompts import extract_target, read_prompt_file
+
+PAPER_PROMPTS = Path(__file__).resolve().parents[2] / "shared/data/flow_grpo_ocr_test.txt"
+runner = CliRunner()
+
+LINES = [
+    'A shop sign that reads "OPEN" in red neon.',
+    "A mug printed with “Best Dad” on its side.",
+    'A poster saying "Hello World" and "ignored second".',
+]
+
+
+def prepare(tmp_path, *args):
+    result = runner.invoke(app, ["prepare", "--run", str(tmp_path / "run"), *map(str, args)])
+    return result
+
+
+def table(tmp_path, split):
+    return pq.read_table(tmp_path / "run" / "data" / f"{split}.parquet").to_pandas()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "target"),
+    [
+        ('A sign that says "OPEN"', "OPEN"),
+        ("A sign with “curly text” on it", "curly text"),
+        ('first "one" then "two"', "one"),
+        ('mixed “curly” then "straight"', "curly"),
+        ("no quotes at all", None),
+        ('empty "" quotes', None),
+    ],
+)
+def test_target_is_first_quoted_span(prompt, target):
+    assert extract_target(prompt) == target
+
+
+def test_txt_train_and_test_files(tmp_path):
+    train = tmp_path / "train.txt"
+    train.write_text("\n".join(LINES) + "\n")
+    test = tmp_path / "test.txt"
+    test.write_text('A cake with "42" in icing.\n')
+    result = prepare(tmp_path, "--train", train, "--test", test)
+    assert result.exit_code == 0, result.output
+    frame = table(tmp_path, "train")
+    assert list(frame.ground_truth) == ["OPEN", "Best Dad", "Hello World"]
+    assert list(frame.prompt_index) == [0, 1, 2]
+    assert list(frame.source) == [f"{train}:1", f"{train}:2", f"{train}:3"]
+    assert list(table(tmp_path, "test").ground_truth) == ["42"]
+    manifest = json.loads((tmp_path / "run/data/manifest.json").read_text())
+    assert manifest["counts"] == {"train": 3, "test": 1}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_table_formats_with_optional_columns(tmp_path, suffix):
+    rows = [
+        {"prompt": 'A sign "A1"', "ground_truth": "", "negative_prompt": "blurry"},
+        {"prompt": "A label with no quotes", "ground_truth": "given", "negative_prompt": ""},
+    ]
+    path = tmp_path / f"prompts{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif suffix == ".csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+    result = prepare(tmp_path, "--train", path, "--test", path, "--negative-prompt", "ugly")
+    assert result.exit_code == 0, result.output
+    frame = table(tmp_path, "train")
+    assert list(frame.ground_truth) == ["A1", "given"]
+    assert list(frame.negative_prompt) == ["blurry", "ugly"]
+
+
+def test_missing_prompt_column_names_file_and_columns(tmp_path):
+    path = tmp_path / "p.csv"
+    pd.DataFrame({"text": ['say "x"']}).to_csv(path, index=False)
+    result = prepare(tmp_path, "--train", path)
+    assert result.exit_code == 1
+    assert f"{path}: no `prompt` column (columns: text)" in result.output
+
+
+def test_line_without_target_and_empty_prompt_are_errors_with_lines(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text('good "A"\nno target here\n\n   \ngood "B"\n')
+    result = prepare(tmp_path, "--train", path, "--test", path)
+    assert result.exit_code == 1
+    assert "3 invalid prompt row(s)" in result.output
+    assert f"{path}:2: no quoted target text" in result.output
+    assert f"{path}:3: empty prompt" in result.output
+    assert f"{path}:4: empty prompt" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_skip_invalid_skips_and_reports(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text('good "A"\nno target here\ngood "B"\n')
+    result = prepare(tmp_path, "--train", path, "--test", path, "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    assert "skipped 2 invalid row(s)" in result.output  # one per file
+    assert list(table(tmp_path, "train").ground_truth) == ["A", "B"]
+
+
+def test_non_utf8_file_names_line_and_column(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b'ok "A"\nbad "caf' + b"\xe9" + b'"\n')
+    result = prepare(tmp_path, "--train", path)
+    assert result.exit_code == 1
+    assert f"{path}:2:9: not UTF-8 (byte 0xe9)" in result.output
+
+
+def test_jsonl_errors_name_line_and_column(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a \\"B\\""}\n{"prompt": oops}\n{"text": "x"}\n')
+    result = prepare(tmp_path, "--train", path, "--test", path)
+    assert result.exit_code == 1
+    assert f"{path}:2:12: invalid JSON" in result.output
+    assert f"{path}:3: expected a JSON object with a `prompt` key" in result.output
+
+
+def test_unknown_suffix_and_missing_file(tmp_path):
+    with pytest.raises(FlowGrpoError, match=r"unsupported prompt file type '\.xml'"):
+        (tmp_path / "p.xml").write_text("x")
+        read_prompt_file(tmp_path / "p.xml")
+    with pytest.raises(FlowGrpoError, match="does not exist"):
+        read_prompt_file(tmp_path / "none.txt")
+
+
+def test_no_train_file_configured(tmp_path):
+    result = prepare(tmp_path)
+    assert result.exit_code == 1 and "data.train" in result.output
+
+
+def test_duplicates_reported(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text('same "A"\nother "B"\nsame "A"\n')
+    result = prepare(tmp_path, "--train", path, "--test", path)
+    assert result.exit_code == 0
+    manifest = json.loads((tmp_path / "run/data/manifest.json").read_text())
+    assert manifest["summary"]["duplicates"]["train"] == [
+        {"prompt": 'same "A"', "sources": [f"{path}:1", f"{path}:3"]}
+    ]
+    assert "duplicate in train" in result.output
+
+
+def test_seeded_split_is_deterministic_and_byte_identical(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("".join(f'sign "{i}"\n' for i in range(50)))
+    for name in ("a", "b"):
+        result = runner.invoke(
+            app,
+            [
+                "prepare",
+                "--run",
+                str(tmp_path / name),
+                "--train",
+                str(path),
+                "--test-fraction",
+                "0.2",
+            ],
+        )
+        assert result.exit_code == 0, result.output
+    for split in ("train", "test"):
+        a = (tmp_path / "a/data" / f"{split}.parquet").read_bytes()
+        assert a == (tmp_path / "b/data" / f"{split}.parquet").read_bytes()
+    test_rows = pq.read_table(tmp_path / "a/data/test.parquet").to_pandas()
+    assert len(test_rows) == 10
+    assert list(test_rows.source) == sorted(test_rows.source, key=lambda s: int(s.split(":")[1]))
+    other_seed = runner.invoke(
+        app,
+        [
+            "prepare",
+            "--run",
+            str(tmp_path / "c"),
+            "--train",
+            str(path),
+            "--test-fraction",
+            "0.2",
+            "--set",
+            "run.seed=1",
+        ],
+    )
+    assert other_seed.exit_code == 0
+    assert (tmp_path / "c/data/test.parquet").read_bytes() != (
+        tmp_path / "a/data/test.parquet"
+    ).read_bytes()
+
+
+def test_rerun_is_a_no_op_and_changed_input_is_refused(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text('a "A"\nb "B"\n')
+    assert prepare(tmp_path, "--train", path, "--test", path).exit_code == 0
+    assert prepare(tmp_path).exit_code == 0  # same stored config, same inputs
+    path.write_text('a "A"\nc "C"\n')
+    result = prepare(tmp_path)
+    assert result.exit_code == 1 and "another config or other inputs" in result.output
+
+
+@pytest.mark.skipif(not PAPER_PROMPTS.is_file(), reason="shared/data not present")
+def test_paper_ocr_prompts(tmp_path):
+    result = prepare(tmp_path, "--train", PAPER_PROMPTS, "--test", PAPER_PROMPTS)
+    assert result.exit_code == 0, result.output
+    frame = table(tmp_path, "train")
+    assert len(frame) == 1018
+    lines = PAPER_PROMPTS.read_text(encoding="utf-8").splitlines()
+    for line, target in zip(lines, frame.ground_truth, strict=True):
+        assert f'"{target}"' in line
+        assert line.index(f'"{target}"') == line.index('"')
