@@ -21,6 +21,10 @@ def test_help_imports_no_heavy_library():
 
 
 def test_console_script_answers_help():
-    out = subprocess.run([sys.executable, "-m", "flowgrpo_cli", "prepare", "--help"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "flowgrpo_cli", "prepare", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "--skip-invalid" in out.stdout
