@@ -17,6 +17,12 @@ from rich.console import Console
 from rich.markup import escape
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.render import (
+    render_metrics,
+    render_prepare_summary,
+    render_reward_table,
+    render_scores,
+)
 
 app = typer.Typer(
     name="flowgrpo",
@@ -96,7 +102,6 @@ def prepare(
     ] = False,
 ) -> None:
     """Prompt files (txt / jsonl / csv / parquet) -> RUN/data/{train,test}.parquet."""
-    from flowgrpo_cli.render import render_prepare_summary
     from flowgrpo_cli.runconfig import resolve_run
     from flowgrpo_cli.rundir import RunLock
     from flowgrpo_cli.stages import prepare as stage
@@ -114,6 +119,242 @@ def prepare(
     with RunLock(resolved.run.root):
         manifest = stage.run(resolved.config, resolved.run)
     render_prepare_summary(console, resolved.run, manifest)
+
+
+NprocOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--nproc",
+        help="Ranks on this host, via torch.distributed's launcher (sets distributed.nproc).",
+    ),
+]
+IterationOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--iteration",
+        "-i",
+        help="Iteration number; default: the run's current "
+        "one (the first without a finished update).",
+    ),
+]
+
+
+def _run_ranks(resolved: Any, nproc: int | None, body: Callable[[], None]) -> None:
+    """Run `body` in this process, or as `nproc` ranks re-launched through torchrun.
+
+    The launching process holds the run's lock while its ranks work; ranks take no lock.
+    """
+    import sys
+
+    from flowgrpo_cli.distributed import is_rank_process, launch_local
+    from flowgrpo_cli.rundir import RunLock
+
+    ranks = nproc or resolved.config.distributed.nproc
+    if is_rank_process():
+        body()
+        return
+    with RunLock(resolved.run.root):
+        if ranks > 1:
+            code = launch_local(ranks, sys.argv[1:])
+            if code:
+                raise FlowGrpoError(f"a rank exited with code {code} (its error is above)")
+            return
+        body()
+
+
+def _load_policy_for(resolved: Any, iteration: int) -> Any:
+    from flowgrpo_cli.distributed import init_process_group, resolve_device
+    from flowgrpo_cli.policy import checkpoint_for, load_policy, load_weights
+
+    device = resolve_device(resolved.config.model.device)
+    init_process_group(device)
+    policy = load_policy(resolved.config, device)
+    checkpoint = checkpoint_for(resolved.run, iteration)
+    if checkpoint is not None:
+        load_weights(policy, checkpoint)
+    return policy
+
+
+def _is_main() -> bool:
+    from flowgrpo_cli.distributed import dist_info
+
+    return dist_info().is_main
+
+
+@app.command("tiny-model")
+@user_errors
+def tiny_model(
+    out: Annotated[Path, typer.Argument(help="Folder to write the pipeline to.")],
+    family: Annotated[str, typer.Option(help="sd3, flux or qwenimage.")] = "sd3",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Build a tiny random pipeline of a family, offline, and save it (for tests and demos)."""
+    from flowgrpo_cli.models.tiny import build_tiny_pipeline
+
+    path = build_tiny_pipeline(family, out, seed=seed)
+    console.print(f"tiny {family} pipeline -> {path}")
+
+
+@app.command()
+@user_errors
+def rollout(
+    config: ConfigOpt = None,
+    run: RunOpt = None,
+    set_: SetOpt = None,
+    allow_config_change: AllowChangeOpt = False,
+    iteration: IterationOpt = None,
+    nproc: NprocOpt = None,
+) -> None:
+    """Sample groups of images with per-step log-probs -> RUN/iter-N/rollout/."""
+    from flowgrpo_cli.runconfig import resolve_run
+
+    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+
+    def body() -> None:
+        from flowgrpo_cli.engine import engine_class
+        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.stages import rollout as stage
+
+        number = resolved.run.current_iteration() if iteration is None else iteration
+        policy = _load_policy_for(resolved, number)
+        cfg = resolved.config
+        engine = engine_class(cfg.sampler.engine)(
+            policy,
+            max_sequence_length=cfg.model.max_sequence_length,
+            guidance_scale=cfg.sampler.guidance_scale,
+        )
+        progress = RichProgress() if _is_main() else NullProgress()
+        result = stage.run(cfg, resolved.run, number, engine, progress)
+        if _is_main():
+            folder = resolved.run.stage_dir(number, stage.STAGE)
+            console.print(
+                f"rollout iteration {number}: {result.manifest['counts']['images']} "
+                f"images -> {folder}",
+                highlight=False,
+            )
+
+    _run_ranks(resolved, nproc, body)
+
+
+@app.command()
+@user_errors
+def score(
+    config: ConfigOpt = None,
+    run: RunOpt = None,
+    set_: SetOpt = None,
+    allow_config_change: AllowChangeOpt = False,
+    iteration: IterationOpt = None,
+    nproc: NprocOpt = None,
+) -> None:
+    """Score an iteration's images with the configured rewards -> RUN/iter-N/scores/."""
+    from flowgrpo_cli.runconfig import resolve_run
+
+    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+
+    def body() -> None:
+        from flowgrpo_cli.distributed import init_process_group, resolve_device
+        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.stages import score as stage
+
+        init_process_group(resolve_device("cpu"))
+        number = resolved.run.current_iteration() if iteration is None else iteration
+        progress = RichProgress() if _is_main() else NullProgress()
+        result = stage.run(resolved.config, resolved.run, number, progress=progress)
+        if _is_main():
+            render_scores(console, result.manifest)
+
+    _run_ranks(resolved, nproc, body)
+
+
+@app.command()
+@user_errors
+def update(
+    config: ConfigOpt = None,
+    run: RunOpt = None,
+    set_: SetOpt = None,
+    allow_config_change: AllowChangeOpt = False,
+    iteration: IterationOpt = None,
+    nproc: NprocOpt = None,
+) -> None:
+    """Advantages + clipped policy-gradient step -> RUN/iter-N/update/ and a checkpoint."""
+    from flowgrpo_cli.runconfig import resolve_run
+
+    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+
+    def body() -> None:
+        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.stages import update as stage
+        from flowgrpo_cli.trainer import Trainer
+
+        number = resolved.run.current_iteration() if iteration is None else iteration
+        policy = _load_policy_for(resolved, number)
+        trainer = Trainer(resolved.config, policy)
+        if number > 0:
+            trainer.load(resolved.run.checkpoint_dir(number - 1))
+        progress = RichProgress("micro-batches") if _is_main() else NullProgress()
+        result = stage.run(resolved.config, resolved.run, number, trainer, progress)
+        if _is_main():
+            render_metrics(console, f"update iteration {number}", result.metrics)
+
+    _run_ranks(resolved, nproc, body)
+
+
+@app.command()
+@user_errors
+def reward(
+    images: Annotated[list[Path], typer.Argument(help="Image files to score.")],
+    prompt: Annotated[
+        list[str],
+        typer.Option(
+            help="The prompt (its quoted text is the OCR target); one for all images, or one per "
+            "image."
+        ),
+    ],
+    reward_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reward", help="Reward name (repeatable; NAME or NAME=WEIGHT); default ocr."
+        ),
+    ] = None,
+    ocr_workers: Annotated[int, typer.Option(help="OCR worker processes.")] = 1,
+    url: Annotated[str | None, typer.Option(help="URL of the `remote` reward.")] = None,
+) -> None:
+    """Score image files against a prompt: check a reward before training on it."""
+    from flowgrpo_cli.rewards import RemoteOptions, score_image_files
+
+    weights = _reward_weights(reward_ or ["ocr"])
+    prompts = prompt * len(images) if len(prompt) == 1 else prompt
+    remote = RemoteOptions(url=url) if url else None
+    result = score_image_files(images, prompts, weights, ocr_workers=ocr_workers, remote=remote)
+    render_reward_table(console, images, result)
+
+
+def _reward_weights(items: list[str]) -> dict[str, float]:
+    weights = {}
+    for item in items:
+        name, _, weight = item.partition("=")
+        try:
+            weights[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise FlowGrpoError(f"--reward {item}: the weight {weight!r} is not a number") from None
+    return weights
+
+
+@app.command()
+@user_errors
+def inspect(
+    path: Annotated[
+        Path, typer.Argument(help="A run, an iteration folder, a stage folder or one part file.")
+    ],
+    images: Annotated[
+        Path | None,
+        typer.Option(help="Write each image as PNG into this folder, with prompts.tsv."),
+    ] = None,
+) -> None:
+    """Describe what a run, iteration, stage or part holds: schema, counts, groups, log-probs."""
+    from flowgrpo_cli.inspect import describe
+
+    describe(console, path, images_dir=images)
 
 
 @app.command("config")

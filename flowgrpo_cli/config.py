@@ -203,6 +203,11 @@ class TrainSection:
     max_grad_norm: float = _option(1.0, "Gradient-norm clip.", check=_positive)
     micro_batch_size: int = _option(4, "Samples per forward in update.", check=_at_least(1))
     inner_epochs: int = _option(1, "Passes over an iteration's samples.", check=_at_least(1))
+    steps_per_epoch: int = _option(
+        2,
+        "Optimizer steps per pass; the shuffled samples are split evenly among them.",
+        check=_at_least(1),
+    )
     lora_rank: int = _option(32, "LoRA rank r.", check=_at_least(1))
     lora_alpha: int = _option(64, "LoRA alpha.", check=_at_least(1))
     lora_targets: list[str] = _option(
@@ -476,6 +481,15 @@ def _results_view(section: Any) -> dict[str, Any]:
         elif f.metadata.get("affects_results", True):
             out[f.name] = value
     return out
+
+
+# The config sections each stage's output depends on (its manifest records their hash).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "prepare": ("run", "data"),
+    "rollout": ("run", "data", "model", "sampler", "algorithm"),
+    "scores": ("reward",),
+    "update": ("run", "data", "model", "sampler", "reward", "algorithm", "train"),
+}
 
 
 def config_hash(config: Config, sections: tuple[str, ...] | None = None) -> str:

@@ -39,3 +39,52 @@ def render_prepare_summary(console: Console, run: RunDir, manifest: dict[str, An
             f"[yellow]{len(summary['train_test_overlap'])} prompt(s) appear in both "
             "train and test[/]"
         )
+
+
+def render_scores(console: Console, manifest: dict[str, Any]) -> None:
+    table = Table(title="rewards", show_edge=False)
+    for column in ("reward", "mean", "min", "max", "images"):
+        table.add_column(column, justify="right")
+    for name, stats in manifest["stats"].items():
+        cells = [f"{stats[k]:.4f}" if stats[k] is not None else "-" for k in ("mean", "min", "max")]
+        table.add_row(name, *cells, str(stats["count"]))
+    console.print(table)
+    counts = manifest["counts"]
+    if counts["failed"]:
+        console.print(
+            f"[yellow]{counts['failed']} image(s) failed a reward, {counts['dropped']} dropped "
+            f"(on_error = {manifest['on_error']}); first: {manifest['first_errors'][:3]}[/]"
+        )
+
+
+def render_metrics(console: Console, title: str, metrics: dict[str, float]) -> None:
+    table = Table(title=title, show_edge=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in sorted(metrics):
+        table.add_row(key, f"{metrics[key]:.6g}")
+    console.print(table)
+
+
+def render_reward_table(console: Console, images: list, result: Any) -> None:
+    table = Table(show_edge=False)
+    table.add_column("image")
+    for name in result.names:
+        table.add_column(name, justify="right")
+    table.add_column("reward", justify="right")
+    read = result.details.get("ocr", {}).get("text")
+    if read is not None:
+        table.add_column("OCR read")
+    table.add_column("error")
+    for i, image in enumerate(images):
+        values = [_number(result.columns[name][i]) for name in result.names]
+        row = [str(image), *values, _number(result.reward[i])]
+        if read is not None:
+            row.append(repr(read[i]) if read[i] is not None else "-")
+        row.append(result.reward_error[i] or "")
+        table.add_row(*row)
+    console.print(table)
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"

@@ -66,6 +66,13 @@ class RunDir:
     def samples_path(self, iteration: int) -> Path:
         return self.root / "samples" / f"iter-{iteration:06d}.png"
 
+    def current_iteration(self) -> int:
+        """The first iteration whose update has not finished (its checkpoint has no manifest)."""
+        iteration = 0
+        while (self.checkpoint_dir(iteration) / MANIFEST).is_file():
+            iteration += 1
+        return iteration
+
     def iterations(self) -> list[int]:
         """Iteration numbers that have a folder, in order."""
         found = []

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from flowgrpo_cli.config import Config, config_hash
+from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.prompts import PromptRow, format_problems, read_prompt_file
 from flowgrpo_cli.rundir import RunDir, StageWriter, atomic_file, read_manifest, sha256_file
@@ -105,8 +105,7 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
     train_path = Path(data.train)
     test_path = Path(data.test) if data.test else None
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
-    # Only what shapes the tables: later sections may change without redoing the data.
-    identity = {"config": config_hash(config, ("data", "run")), "inputs": inputs}
+    identity = {"config": config_hash(config, STAGE_SECTIONS["prepare"]), "inputs": inputs}
     writer = StageWriter(run.data_dir, "prepare", identity)
     if not writer.begin():
         return read_manifest(run.data_dir)

@@ -1,0 +1,104 @@
+"""Rollout engines: what turns sample requests into trajectories.
+
+The rollout stage hands an engine the requests of its rank and gets back sampled batches and
+each group's text conditioning; it does not know which engine runs. `DiffusersEngine` runs the
+policy in this process with flowgrpo_cli.sampling. Engines are chosen by `sampler.engine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.models import Conditioning
+from flowgrpo_cli.policy import Policy
+from flowgrpo_cli.sampling import SampledBatch, SamplerSettings, sample_batch
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    sample_id: str
+    prompt_index: int
+    group_id: int
+    seed: int
+    prompt: str
+    ground_truth: str
+    negative_prompt: str
+    system_prompt: str
+
+
+class RolloutEngine(Protocol):
+    @property
+    def version(self) -> str:
+        """Which policy weights the engine samples with (recorded in the rollout manifest)."""
+        ...
+
+    def encode(self, requests: list[SampleRequest]) -> dict[int, Conditioning]:
+        """Text conditioning per group id (one row each), for the requests' groups."""
+        ...
+
+    def sample(
+        self,
+        requests: list[SampleRequest],
+        conditioning: dict[int, Conditioning],
+        settings: SamplerSettings,
+    ) -> SampledBatch:
+        """Trajectories of one batch of requests."""
+        ...
+
+
+class DiffusersEngine:
+    """Samples with the policy's diffusers pipeline in this process."""
+
+    def __init__(self, policy: Policy, *, max_sequence_length: int, guidance_scale: float):
+        self.policy = policy
+        self.max_sequence_length = max_sequence_length or None
+        self.guidance_scale = guidance_scale
+
+    @property
+    def version(self) -> str:
+        return self.policy.version
+
+    def encode(self, requests: list[SampleRequest]) -> dict[int, Conditioning]:
+        firsts: dict[int, SampleRequest] = {}
+        for request in requests:
+            firsts.setdefault(request.group_id, request)
+        out = {}
+        for group_id, request in firsts.items():
+            out[group_id] = self.policy.adapter.encode_prompts(
+                [request.prompt],
+                [request.negative_prompt],
+                guidance_scale=self.guidance_scale,
+                max_sequence_length=self.max_sequence_length,
+                system_prompt=request.system_prompt or None,
+            )
+        return out
+
+    def sample(
+        self,
+        requests: list[SampleRequest],
+        conditioning: dict[int, Conditioning],
+        settings: SamplerSettings,
+    ) -> SampledBatch:
+        adapter = self.policy.adapter
+        cond = Conditioning.cat([conditioning[r.group_id] for r in requests]).to(self.policy.device)
+        sigmas = adapter.sigmas(settings.schedule.num_steps, settings.height, settings.width)
+        return sample_batch(adapter, cond, [r.seed for r in requests], settings, sigmas)
+
+
+def batches(requests: list[SampleRequest], size: int) -> Iterator[list[SampleRequest]]:
+    for start in range(0, len(requests), size):
+        yield requests[start : start + size]
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {"diffusers": DiffusersEngine}
+
+
+def engine_class(name: str) -> Callable[..., RolloutEngine]:
+    if name not in ENGINES:
+        raise FlowGrpoError(
+            f"sampler.engine = {name!r} is not available (engines: {', '.join(ENGINES)})"
+        )
+    return ENGINES[name]

@@ -1,0 +1,152 @@
+"""The policy: a model adapter plus the weights Flow-GRPO trains, and their checkpoints.
+
+In LoRA mode a peft adapter (gaussian A, zero B) is attached to the transformer's attention
+projections whenever a policy is loaded, in rollout as in the update, so both run the very same
+modules; with B = 0 its output equals the base model's exactly. In full mode the transformer's
+own weights are trained. A checkpoint folder holds the LoRA weights in the file and key format
+diffusers' `load_lora_weights()` reads (or the full transformer's weights), plus, written by the
+update, the optimizer and trainer state, and a manifest written last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flowgrpo_cli.config import Config
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.models import ModelAdapter, load_adapter
+from flowgrpo_cli.rundir import RunDir, read_manifest, sha256_file
+
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
+FULL_WEIGHTS = "transformer.safetensors"
+LORA_PREFIX = "transformer."  # diffusers' key prefix of the transformer's LoRA layers
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Policy:
+    adapter: ModelAdapter
+    mode: str  # "lora" or "full"
+    device: torch.device
+    version: str  # "base", or "iter-N:<sha of the weights file>": which weights are loaded
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.adapter.transformer
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+
+def attach_lora(
+    transformer: torch.nn.Module, *, rank: int, alpha: int, targets: list[str], seed: int
+) -> None:
+    """Add a trainable LoRA adapter; its gaussian A is drawn from `seed`, B starts at zero."""
+    from peft import LoraConfig
+
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            transformer.add_adapter(config)
+        except ValueError as err:  # peft: "Target modules ... not found in the base model"
+            raise FlowGrpoError(f"train.lora_targets {targets}: {err}") from None
+
+
+def load_policy(config: Config, device: torch.device) -> Policy:
+    """The base model with its trainable weights set up (LoRA attached, or all trainable)."""
+    adapter = load_adapter(config.model.path, dtype=DTYPES[config.model.dtype], device=device)
+    transformer = adapter.transformer
+    transformer.requires_grad_(False)
+    if config.train.mode == "lora":
+        targets = config.train.lora_targets or adapter.default_lora_targets
+        attach_lora(
+            transformer,
+            rank=config.train.lora_rank,
+            alpha=config.train.lora_alpha,
+            targets=targets,
+            seed=config.run.seed,
+        )
+        # peft marks only the adapter trainable; keep the LoRA weights in float32 so small
+        # updates are not lost to a bfloat16 rounding of the weights themselves.
+        for parameter in transformer.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.float()
+    else:
+        transformer.requires_grad_(True)
+    return Policy(adapter=adapter, mode=config.train.mode, device=device, version="base")
+
+
+def checkpoint_for(run: RunDir, iteration: int) -> Path | None:
+    """The checkpoint iteration `iteration` starts from: the update of iteration - 1."""
+    if iteration == 0:
+        return None
+    folder = run.checkpoint_dir(iteration - 1)
+    if read_manifest(folder) is None:
+        raise FlowGrpoError(
+            f"iteration {iteration} starts from {folder}, which is missing or incomplete: run "
+            f"`flowgrpo update --iteration {iteration - 1}` (or `flowgrpo loop`) first"
+        )
+    return folder
+
+
+def weights_file(mode: str) -> str:
+    return LORA_WEIGHTS if mode == "lora" else FULL_WEIGHTS
+
+
+def load_weights(policy: Policy, checkpoint: Path) -> None:
+    """Load the trained weights of `checkpoint` into the policy and tag its version."""
+    from safetensors.torch import load_file
+
+    path = checkpoint / weights_file(policy.mode)
+    if not path.is_file():
+        raise FlowGrpoError(
+            f"{path} is missing: checkpoint {checkpoint} was not written in "
+            f"train.mode = {policy.mode!r}"
+        )
+    state = load_file(str(path))
+    if policy.mode == "lora":
+        _load_lora_state(policy.transformer, state, path)
+    else:
+        _load_full_state(policy.transformer, state, path)
+    policy.version = f"{checkpoint.name}:{sha256_file(path)[:16]}"
+
+
+def _load_lora_state(transformer: torch.nn.Module, state: dict, path: Path) -> None:
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    state = {key.removeprefix(LORA_PREFIX): value for key, value in state.items()}
+    expected = get_peft_model_state_dict(transformer)
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    wrong = sorted(k for k in expected.keys() & state.keys() if expected[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        details = "; ".join(
+            f"{label}: {keys[:3]}{' ...' if len(keys) > 3 else ''}"
+            for label, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("different shape", wrong),
+            )
+            if keys
+        )
+        raise FlowGrpoError(
+            f"{path} does not match the model's LoRA layers ({details}); was it "
+            "saved for another model, LoRA rank or target list?"
+        )
+    set_peft_model_state_dict(transformer, state)
+
+
+def _load_full_state(transformer: torch.nn.Module, state: dict, path: Path) -> None:
+    own = transformer.state_dict()
+    bad = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
+    if bad or len(state) != len(own):
+        raise FlowGrpoError(
+            f"{path} does not match the transformer's weights (first differences: {bad[:3]})"
+        )
+    transformer.load_state_dict(state)

@@ -1,0 +1,94 @@
+"""Sampling one batch of trajectories: the denoising loop every rollout engine runs.
+
+The loop owns nothing but the order of calls: the adapter gives noise, sigmas, velocities and
+images; flowgrpo_cli.sde gives the steps; flowgrpo_cli.schedule says which steps are
+stochastic. Each sample draws its initial noise and every step's noise from its own generator,
+seeded per sample, so a sample is the same whatever batch or rank it was drawn in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowgrpo_cli.models import Conditioning, ModelAdapter
+from flowgrpo_cli.schedule import StepSchedule
+from flowgrpo_cli.sde import STEP_FUNCTIONS, ode_step
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    kind: str  # a key of STEP_FUNCTIONS
+    noise_level: float  # 0: every step is the Euler ODE step
+    guidance_scale: float
+    height: int
+    width: int
+    schedule: StepSchedule
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """B samples, T stochastic steps (T = 0 when sampled without noise)."""
+
+    latents: torch.Tensor  # [B, T+1, *latent_shape] float32, states around the stochastic steps
+    log_probs: torch.Tensor  # [B, T] float32
+    timesteps: torch.Tensor  # [B, T] float32: sigma of each stochastic step
+    timesteps_next: torch.Tensor  # [B, T] float32
+    images: torch.Tensor  # [B, 3, H, W] float32 in [0, 1]
+
+
+@torch.no_grad()
+def sample_batch(
+    adapter: ModelAdapter,
+    cond: Conditioning,
+    seeds: list[int],
+    settings: SamplerSettings,
+    sigmas: torch.Tensor,
+) -> SampledBatch:
+    """Denoise len(seeds) samples from noise to images along `sigmas` ([N + 1], ending in 0)."""
+    device = cond[next(iter(cond.tensors))].device
+    generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
+    x = adapter.initial_latents(generators, settings.height, settings.width).to(device)
+    schedule = settings.schedule
+    stochastic = (
+        schedule.stochastic if settings.noise_level > 0 else (False,) * len(schedule.stochastic)
+    )
+    step_fn = STEP_FUNCTIONS[settings.kind]
+    batch = len(seeds)
+    states, log_probs, sigma_now, sigma_next = [], [], [], []
+    for i in range(schedule.num_steps):
+        sigma, following = float(sigmas[i]), float(sigmas[i + 1])
+        # Per-sample float32 sigmas, exactly the values the update reads back from the store.
+        sigma_batch = torch.full((batch,), sigma, dtype=torch.float32, device=device)
+        following_batch = torch.full((batch,), following, dtype=torch.float32, device=device)
+        v = adapter.velocity(x, sigma_batch, cond, guidance_scale=settings.guidance_scale)
+        if stochastic[i]:
+            if not states:
+                states.append(x)
+            out = step_fn(
+                x,
+                v,
+                sigma_batch,
+                following_batch,
+                noise_level=settings.noise_level,
+                sigma_max_substitute=float(sigmas[1]),
+                generators=generators,
+            )
+            states.append(out.next_latents)
+            log_probs.append(out.log_prob)
+            sigma_now.append(sigma)
+            sigma_next.append(following)
+        else:
+            out = ode_step(x, v, sigma_batch, following_batch)
+        x = out.next_latents
+    if not states:  # no stochastic step: store the final latent alone
+        states.append(x)
+    steps = len(log_probs)
+    return SampledBatch(
+        latents=torch.stack(states, dim=1),
+        log_probs=torch.stack(log_probs, dim=1) if steps else torch.zeros(batch, 0),
+        timesteps=torch.tensor(sigma_now, dtype=torch.float32).expand(batch, steps).clone(),
+        timesteps_next=torch.tensor(sigma_next, dtype=torch.float32).expand(batch, steps).clone(),
+        images=adapter.decode(x),
+    )

@@ -1,0 +1,276 @@
+"""The trainer: the policy's trainable weights under FSDP2, AdamW, warm-up, EMA, checkpoints.
+
+It lives as long as the process: a standalone `flowgrpo update` builds one from the previous
+iteration's checkpoint, `flowgrpo loop` keeps one across iterations. Either way the weights and
+the optimizer state after iteration N are what checkpoints/iter-N holds, bit for bit, which is
+what lets a killed loop resume to the same final checkpoint.
+
+With more than one rank the transformer is sharded with FSDP2 (`fully_shard` on every block,
+then on the root); the base weights are frozen, the LoRA weights (or, in full mode, all of them)
+are trained. Gradients are averaged over ranks by FSDP; the update stage scales each rank's
+loss by the world size so the step equals the single-process step on the same global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgrpo_cli.config import Config
+from flowgrpo_cli.distributed import dist_info
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.policy import LORA_PREFIX, Policy, weights_file
+from flowgrpo_cli.rundir import atomic_file, atomic_write_bytes
+
+OPTIMIZER_STATE = "optimizer.pt"
+TRAINER_STATE = "trainer_state.json"
+EMA_PREFIX = "ema_"
+
+
+@dataclass
+class TrainerState:
+    """Progress saved with each checkpoint (and checked on resume)."""
+
+    iteration: int = -1  # last finished iteration
+    optimizer_steps: int = 0
+    config_hash: str = ""
+
+
+class Trainer:
+    def __init__(self, config: Config, policy: Policy):
+        self.config = config
+        self.policy = policy
+        self.state = TrainerState()
+        self.world_size = dist_info().world_size
+        train = config.train
+        if train.gradient_checkpointing:
+            policy.transformer.enable_gradient_checkpointing()
+        self.reference = self._make_reference() if config.algorithm.beta > 0 else None
+        if self.world_size > 1:
+            self._shard()
+        self.parameters = {
+            n: p for n, p in policy.transformer.named_parameters() if p.requires_grad
+        }
+        if not self.parameters:
+            raise FlowGrpoError("no trainable parameters: check train.mode and lora_targets")
+        self.optimizer = torch.optim.AdamW(
+            list(self.parameters.values()), lr=train.lr, weight_decay=train.weight_decay
+        )
+        self.ema = (
+            {n: p.detach().clone() for n, p in self.parameters.items()}
+            if train.ema_decay > 0
+            else None
+        )
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _make_reference(self) -> torch.nn.Module | None:
+        """Full mode needs a frozen copy of the base transformer; LoRA mode disables the
+        adapter instead (no extra memory)."""
+        if self.policy.mode == "lora":
+            return None
+        reference = copy.deepcopy(self.policy.transformer).requires_grad_(False)
+        return reference.eval()
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.config.train.mixed_precision == "bfloat16"
+            else MixedPrecisionPolicy()
+        )
+        for module in [self.policy.transformer, self.reference]:
+            if module is None:
+                continue
+            for block in _blocks(module):
+                fully_shard(block, mp_policy=mp)
+            fully_shard(module, mp_policy=mp)
+
+    # -- reference forward --------------------------------------------------------------------
+
+    def reference_context(self):
+        """Context in which the adapter's velocity is the reference's (LoRA disabled), or a
+        module to call instead (full mode)."""
+        transformer = self.policy.transformer
+        if self.policy.mode == "lora":
+            return _AdapterDisabled(transformer)
+        return _SwapTransformer(self.policy.adapter, self.reference)
+
+    # -- optimizer step -----------------------------------------------------------------------
+
+    def learning_rate(self) -> float:
+        warmup = self.config.train.warmup_steps
+        scale = min(1.0, (self.state.optimizer_steps + 1) / warmup) if warmup else 1.0
+        return self.config.train.lr * scale
+
+    def step(self) -> dict[str, float]:
+        """Clip, check and apply the accumulated gradients; returns grad norm and lr."""
+        params = list(self.parameters.values())
+        norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.max_grad_norm)
+        norm_value = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not torch.isfinite(torch.tensor(norm_value)):
+            raise FlowGrpoError(
+                f"non-finite gradient norm at optimizer step {self.state.optimizer_steps} "
+                "(a non-finite loss or reward); no checkpoint was written for this iteration"
+            )
+        lr = self.learning_rate()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.optimizer_steps += 1
+        self._update_ema()
+        return {"grad_norm": norm_value, "lr": lr}
+
+    def _update_ema(self) -> None:
+        train = self.config.train
+        if self.ema is None or self.state.optimizer_steps % train.ema_interval:
+            return
+        with torch.no_grad():
+            for name, param in self.parameters.items():
+                self.ema[name].lerp_(param.detach(), 1.0 - train.ema_decay)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save(self, folder: Path) -> list[str]:
+        """Write weights (+ EMA), optimizer and trainer state into `folder` (rank 0 writes;
+        every rank takes part in gathering the shards). Returns the file names written."""
+        from safetensors.torch import save
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        transformer = self.policy.transformer
+        model_state = get_model_state_dict(transformer, options=options)
+        optimizer_state = get_optimizer_state_dict(transformer, self.optimizer, options=options)
+        ema = {n: _full(t).cpu() for n, t in self.ema.items()} if self.ema else None
+        if not dist_info().is_main:
+            return []
+        folder.mkdir(parents=True, exist_ok=True)
+        files = []
+        weights = self._export(model_state)
+        with atomic_file(folder / weights_file(self.policy.mode)) as handle:
+            handle.write(save(weights))
+        files.append(weights_file(self.policy.mode))
+        if ema is not None:
+            name = EMA_PREFIX + weights_file(self.policy.mode)
+            with atomic_file(folder / name) as handle:
+                handle.write(save(self._export(ema)))
+            files.append(name)
+        with atomic_file(folder / OPTIMIZER_STATE) as handle:
+            torch.save(optimizer_state, handle)
+        files.append(OPTIMIZER_STATE)
+        atomic_write_bytes(
+            folder / TRAINER_STATE, (json.dumps(asdict(self.state), indent=2) + "\n").encode()
+        )
+        files.append(TRAINER_STATE)
+        return files
+
+    def _export(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Trainable weights in the checkpoint's key format (diffusers' for LoRA)."""
+        if self.policy.mode == "full":
+            return {k: v.contiguous() for k, v in state.items()}
+        from peft.utils import get_peft_model_state_dict
+
+        lora = get_peft_model_state_dict(self.policy.transformer, state_dict=state)
+        return {LORA_PREFIX + k: v.contiguous() for k, v in lora.items()}
+
+    def load(self, folder: Path) -> None:
+        """Optimizer and trainer state of a checkpoint (weights are the policy's business)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        path = folder / OPTIMIZER_STATE
+        if not path.is_file():
+            raise FlowGrpoError(f"{path} is missing: cannot resume the optimizer")
+        full = torch.load(path, map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(
+            self.policy.transformer, self.optimizer, full,
+            options=StateDictOptions(full_state_dict=True),
+        )  # fmt: skip
+        self.state = TrainerState(**json.loads((folder / TRAINER_STATE).read_text()))
+        if self.ema is not None:
+            self._load_ema(folder)
+
+    def _load_ema(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        path = folder / (EMA_PREFIX + weights_file(self.policy.mode))
+        if not path.is_file():  # EMA switched on mid-run: start it from the current weights
+            return
+        saved = load_file(str(path))
+        own = self._export({n: _full(t) for n, t in self.ema.items()})
+        if saved.keys() != own.keys():
+            raise FlowGrpoError(f"{path} does not match the model's trainable weights")
+        by_export_key = dict(zip(own.keys(), self.ema.keys(), strict=True))
+        with torch.no_grad():
+            for key, value in saved.items():
+                target = self.ema[by_export_key[key]]
+                _copy_into(target, value)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks FSDP shards one by one (every family keeps them in ModuleLists
+    named *blocks)."""
+    blocks = []
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks"):
+            blocks.extend(child)
+    if not blocks:
+        raise FlowGrpoError(f"{type(module).__name__}: found no transformer blocks to shard")
+    return blocks
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    if hasattr(target, "full_tensor"):  # a DTensor shard: keep only this rank's piece
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements)
+        target.copy_(value)
+    else:
+        target.copy_(value.to(target.dtype))
+
+
+class _AdapterDisabled:
+    def __init__(self, transformer: torch.nn.Module):
+        self.transformer = transformer
+
+    def __enter__(self) -> None:
+        self.transformer.disable_adapters()
+
+    def __exit__(self, *exc: object) -> None:
+        self.transformer.enable_adapters()
+
+
+class _SwapTransformer:
+    """Full mode: run the adapter's velocity with the frozen reference transformer (adapters
+    call `self.pipeline.transformer`, so swapping the pipeline's component is enough)."""
+
+    def __init__(self, adapter: Any, reference: torch.nn.Module):
+        self.pipeline = adapter.pipeline
+        self.reference = reference
+
+    def __enter__(self) -> None:
+        self._own = self.pipeline.transformer
+        self.pipeline.transformer = self.reference
+
+    def __exit__(self, *exc: object) -> None:
+        self.pipeline.transformer = self._own

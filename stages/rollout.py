@@ -1,0 +1,250 @@
+"""`flowgrpo rollout`: the iteration's prompts + the current policy -> RUN/iter-N/rollout/.
+
+Each rank writes one trajectory part (one row per image) and one conditioning part (one row
+per prompt group); rank 0 writes the manifest once every part exists. Which prompts an
+iteration uses, each sample's seed and the SDE window depend only on (run seed, iteration,
+prompt, k), never on batch size or rank count, so 1 and N processes write the same samples.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.distributed import DistInfo, barrier, broadcast_object, dist_info
+from flowgrpo_cli.engine import RolloutEngine, SampleRequest, batches
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.progress import NullProgress, Progress
+from flowgrpo_cli.rundir import (
+    RunDir,
+    StageWriter,
+    atomic_write_json,
+    manifest_hash,
+    part_name,
+    read_manifest,
+    require_manifest,
+)
+from flowgrpo_cli.sampling import SamplerSettings
+from flowgrpo_cli.schedule import StepSchedule, build_step_schedule
+from flowgrpo_cli.seeding import derive_seed
+from flowgrpo_cli.trajectory import (
+    ArrowPartWriter,
+    TrajectoryRows,
+    conditioning_table,
+    to_record_batch,
+    write_table,
+)
+
+STAGE = "rollout"
+
+
+def select_prompts(num_prompts: int, per_iteration: int, seed: int, iteration: int) -> list[int]:
+    """Prompt rows of an iteration: drawn without replacement, by (seed, iteration) alone."""
+    if per_iteration > num_prompts:
+        raise FlowGrpoError(
+            f"algorithm.prompts_per_iteration = {per_iteration}, but data/train.parquet has "
+            f"only {num_prompts} prompts"
+        )
+    return random.Random(derive_seed(seed, iteration, "prompts")).sample(
+        range(num_prompts), per_iteration
+    )
+
+
+def iteration_schedule(config: Config, iteration: int) -> StepSchedule:
+    sampler = config.sampler
+    return build_step_schedule(
+        sampler.num_steps,
+        train_fraction=sampler.train_fraction,
+        train_last_step=sampler.train_last_step,
+        window_size=sampler.window_size or None,
+        window_range=tuple(sampler.window_range) if sampler.window_range else None,
+        rng=random.Random(derive_seed(config.run.seed, iteration, "window")),
+    )
+
+
+def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
+    return SamplerSettings(
+        kind=config.sampler.kind,
+        noise_level=config.sampler.noise_level,
+        guidance_scale=config.sampler.guidance_scale,
+        height=config.model.height,
+        width=config.model.width,
+        schedule=iteration_schedule(config, iteration),
+    )
+
+
+def rank_groups(num_groups: int, info: DistInfo) -> list[int]:
+    """Groups of this rank: every group stays whole on one rank."""
+    if num_groups % info.world_size:
+        raise FlowGrpoError(
+            f"algorithm.prompts_per_iteration = {num_groups} groups cannot be split evenly "
+            f"over {info.world_size} ranks: use a multiple of {info.world_size}"
+        )
+    return list(range(info.rank, num_groups, info.world_size))
+
+
+def build_requests(
+    config: Config, run: RunDir, iteration: int, groups: list[int]
+) -> list[SampleRequest]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run.data_dir / "train.parquet")
+    missing = {"prompt", "ground_truth", "negative_prompt", "system_prompt"} - set(
+        table.column_names
+    )
+    if missing:
+        raise FlowGrpoError(
+            f"{run.data_dir / 'train.parquet'} lacks column(s) {sorted(missing)}: "
+            "re-run `flowgrpo prepare`"
+        )
+    rows = table.to_pylist()
+    chosen = select_prompts(
+        len(rows), config.algorithm.prompts_per_iteration, config.run.seed, iteration
+    )
+    requests = []
+    for group in groups:
+        index = chosen[group]
+        row = rows[index]
+        for k in range(config.algorithm.group_size):
+            requests.append(
+                SampleRequest(
+                    sample_id=f"i{iteration:06d}-g{group:04d}-k{k:03d}",
+                    prompt_index=index,
+                    group_id=group,
+                    seed=derive_seed(config.run.seed, iteration, index, k),
+                    prompt=row["prompt"],
+                    ground_truth=row["ground_truth"],
+                    negative_prompt=row["negative_prompt"] or "",
+                    system_prompt=row["system_prompt"] or "",
+                )
+            )
+    return requests
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    manifest: dict[str, Any]
+    metrics: dict[str, float]
+
+
+def run(
+    config: Config,
+    run: RunDir,
+    iteration: int,
+    engine: RolloutEngine,
+    progress: Progress | None = None,
+) -> RolloutResult:
+    """Write this rank's parts of iteration `iteration`'s rollout (skipping finished ones)."""
+    from flowgrpo_cli.models import to_png
+
+    progress = progress or NullProgress()
+    info = dist_info()
+    stage_dir = run.stage_dir(iteration, STAGE)
+    require_manifest(run.data_dir, "prepare")
+    identity = {
+        "config": config_hash(config, STAGE_SECTIONS[STAGE]),
+        "data": manifest_hash(run.data_dir),
+        "policy": engine.version,
+        "iteration": iteration,
+        "world_size": info.world_size,
+    }
+    writer = StageWriter(stage_dir, STAGE, identity)
+    # Rank 0 alone prepares the folder (it may delete stale parts); the others wait for it.
+    fresh = broadcast_object(writer.begin() if info.is_main else None)
+    if not fresh:
+        return RolloutResult(read_manifest(stage_dir), {})
+    groups = rank_groups(config.algorithm.prompts_per_iteration, info)
+    requests = build_requests(config, run, iteration, groups)
+    settings = sampler_settings(config, iteration)
+    part = part_name(info.rank, info.world_size)
+    conditioning_part = part_name(info.rank, info.world_size).replace("part-", "conditioning-")
+    started = time.perf_counter()
+    produced = 0
+    if not (writer.has_part(part) and writer.has_part(conditioning_part)):
+        conditioning = engine.encode(requests)
+        progress.start(f"rollout iter {iteration}", total=len(requests))
+        with ArrowPartWriter(writer.part_path(part)) as out:
+            for chunk in batches(requests, config.sampler.batch_size):
+                sampled = engine.sample(chunk, conditioning, settings)
+                out.write(to_record_batch(_rows(chunk, sampled, settings, to_png)))
+                produced += len(chunk)
+                progress.advance(len(chunk))
+        write_table(writer.part_path(conditioning_part), _conditioning_table(conditioning))
+        progress.finish()
+    seconds = time.perf_counter() - started
+    barrier()
+    metrics = {
+        "rollout/seconds": seconds,
+        "rollout/images": float(produced),
+        "rollout/images_per_s": produced / seconds if produced and seconds > 0 else 0.0,
+    }
+    if not info.is_main:
+        return RolloutResult({}, metrics)
+    world = info.world_size
+    parts = [part_name(r, world) for r in range(world)]
+    conditioning_parts = [p.replace("part-", "conditioning-") for p in parts]
+    atomic_write_json(stage_dir / "metrics.json", metrics)
+    schedule = settings.schedule
+    manifest = writer.finish(
+        parts + conditioning_parts,
+        counts={
+            "images": config.algorithm.prompts_per_iteration * config.algorithm.group_size,
+            "groups": config.algorithm.prompts_per_iteration,
+            "group_size": config.algorithm.group_size,
+        },
+        extra={
+            "trajectory_parts": parts,
+            "conditioning_parts": conditioning_parts,
+            "policy_version": engine.version,
+            "sampler": {
+                "kind": settings.kind,
+                "noise_level": settings.noise_level,
+                "guidance_scale": settings.guidance_scale,
+                "num_steps": schedule.num_steps,
+                "stochastic": list(schedule.stochastic),
+                "trained": list(schedule.trained),
+                "height": settings.height,
+                "width": settings.width,
+                "dtype": config.model.dtype,
+            },
+        },
+    )
+    return RolloutResult(manifest, metrics)
+
+
+def _rows(chunk: list[SampleRequest], sampled, settings: SamplerSettings, to_png) -> TrajectoryRows:
+    import torch
+
+    schedule = settings.schedule
+    steps = sampled.log_probs.shape[1]
+    positions = set(schedule.trained_positions) if steps else set()
+    trained = torch.tensor(
+        [[p in positions for p in range(steps)]] * len(chunk), dtype=torch.bool
+    ).reshape(len(chunk), steps)
+    return TrajectoryRows(
+        sample_ids=[r.sample_id for r in chunk],
+        prompt_indices=[r.prompt_index for r in chunk],
+        group_ids=[r.group_id for r in chunk],
+        seeds=[r.seed for r in chunk],
+        prompts=[r.prompt for r in chunk],
+        ground_truths=[r.ground_truth for r in chunk],
+        timesteps=sampled.timesteps,
+        timesteps_next=sampled.timesteps_next,
+        trained=trained,
+        log_probs=sampled.log_probs.cpu(),
+        latents=sampled.latents.cpu(),
+        images=to_png(sampled.images),
+    )
+
+
+def _conditioning_table(conditioning):
+    """One row per group, each with its own shapes (no padding to the longest prompt)."""
+    import pyarrow as pa
+
+    return pa.concat_tables(
+        conditioning_table([group], conditioning[group].to("cpu").tensors)
+        for group in sorted(conditioning)
+    )

@@ -1,0 +1,169 @@
+"""`flowgrpo score`: rollout -> RUN/iter-N/scores/, one score part per rollout part.
+
+Each score part has one row per image: `sample_id`, one float column per reward, the weighted
+`reward`, and `reward_error`. A reward that fails on an image leaves that reward's value empty
+and says why in `reward_error`; `reward.on_error` then drops the sample, its whole group (the
+score stage leaves `reward` empty for every dropped sample, and the update skips those), or
+stops the stage. Groups never span parts, so the policy is applied part by part, and a re-run
+after a crash scores only the parts still missing.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.progress import NullProgress, Progress
+from flowgrpo_cli.rundir import (
+    RunDir,
+    StageWriter,
+    atomic_write_json,
+    manifest_hash,
+    read_manifest,
+    require_manifest,
+)
+from flowgrpo_cli.trajectory import iter_batches, read_table, write_table
+
+STAGE = "scores"
+_READ_COLUMNS = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
+
+
+@dataclass(frozen=True)
+class ScoreStageResult:
+    manifest: dict[str, Any]
+    metrics: dict[str, float]
+
+
+def _reward_batches(path, progress: Progress):
+    from PIL import Image
+
+    from flowgrpo_cli.rewards.base import RewardBatch
+
+    for batch in iter_batches([path], _READ_COLUMNS):
+        rows = batch.to_pylist()
+        yield RewardBatch(
+            images=[Image.open(io.BytesIO(r["image"])).convert("RGB") for r in rows],
+            prompts=[r["prompt"] for r in rows],
+            ground_truths=[r["ground_truth"] for r in rows],
+            metadata=[{"sample_id": r["sample_id"], "group_id": r["group_id"]} for r in rows],
+        )
+        progress.advance(len(rows))  # the batch was scored before the generator resumes
+
+
+def _score_table(scored, sample_ids: list[str]) -> pa.Table:
+    result, keep = scored.result, scored.outcome.keep
+    columns: dict[str, pa.Array] = {"sample_id": pa.array(sample_ids, pa.string())}
+    for name in result.names:
+        columns[name] = pa.array(result.columns[name], pa.float64())
+    columns["reward"] = pa.array(
+        [r if k else None for r, k in zip(result.reward, keep, strict=True)], pa.float64()
+    )
+    columns["reward_error"] = pa.array(result.reward_error, pa.string())
+    return pa.table(columns)
+
+
+def reward_options(config: Config):
+    from flowgrpo_cli.rewards.remote import RemoteOptions
+
+    remote = config.reward.remote
+    return RemoteOptions(
+        url=remote.url,
+        timeout_s=remote.timeout_s,
+        max_retries=remote.max_retries,
+        batch_size=remote.batch_size,
+    ) if remote.url else None  # fmt: skip
+
+
+def run(
+    config: Config, run: RunDir, iteration: int, rewards=None, progress: Progress | None = None
+) -> ScoreStageResult:
+    """Score this rank's rollout parts. `rewards`: a RewardSet kept open by the caller (the
+    loop keeps OCR engines alive across iterations); built and closed here when None."""
+    from flowgrpo_cli.rewards import build_rewards
+    from flowgrpo_cli.rewards.commands import score_batches
+
+    progress = progress or NullProgress()
+    info = dist_info()
+    rollout_dir, stage_dir = run.stage_dir(iteration, "rollout"), run.stage_dir(iteration, STAGE)
+    rollout = require_manifest(rollout_dir, "rollout")
+    identity = {
+        "config": config_hash(config, STAGE_SECTIONS[STAGE]),
+        "rollout": manifest_hash(rollout_dir),
+    }
+    writer = StageWriter(stage_dir, STAGE, identity)
+    if not broadcast_object(writer.begin() if info.is_main else None):
+        return ScoreStageResult(read_manifest(stage_dir), {})
+    parts = rollout["trajectory_parts"]
+    mine = [name for i, name in enumerate(parts) if i % info.world_size == info.rank]
+    own_rewards = rewards is None
+    if own_rewards:
+        rewards = build_rewards(
+            config.reward.weights,
+            ocr_workers=config.reward.ocr_workers,
+            remote=reward_options(config),
+        )
+    started = time.perf_counter()
+    scored_images = 0
+    try:
+        for name in mine:
+            if writer.has_part(name):
+                continue
+            sample_ids = (
+                read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
+            )
+            progress.start(f"score {name}", total=len(sample_ids))
+            scored = score_batches(
+                rewards, _reward_batches(rollout_dir / name, progress), config.reward.on_error
+            )
+            progress.finish()
+            write_table(writer.part_path(name), _score_table(scored, sample_ids))
+            scored_images += len(sample_ids)
+    finally:
+        if own_rewards:
+            rewards.close()
+    seconds = time.perf_counter() - started
+    barrier()
+    metrics = {
+        "score/seconds": seconds,
+        "score/images_per_s": scored_images / seconds if scored_images else 0.0,
+    }
+    if not info.is_main:
+        return ScoreStageResult({}, metrics)
+    table = read_table([stage_dir / name for name in parts])
+    names = [c for c in table.column_names if c not in ("sample_id", "reward", "reward_error")]
+    errors = [e for e in table.column("reward_error").to_pylist() if e]
+    dropped = table.column("reward").null_count
+    metrics.update(
+        {"score/failed_images": float(len(errors)), "score/dropped_samples": float(dropped)}
+    )
+    atomic_write_json(stage_dir / "metrics.json", metrics)
+    manifest = writer.finish(
+        list(parts),
+        counts={"images": table.num_rows, "failed": len(errors), "dropped": dropped},
+        extra={"rewards": names, "weights": config.reward.weights,
+               "on_error": config.reward.on_error, "first_errors": errors[:5],
+               "stats": _stats(table, names)},
+    )  # fmt: skip
+    return ScoreStageResult(manifest, metrics)
+
+
+def _stats(table: pa.Table, names: list[str]) -> dict[str, dict[str, float | None]]:
+    import pyarrow.compute as pc
+
+    out = {}
+    for name in [*names, "reward"]:
+        column = table.column(name)
+        valid = column.length() - column.null_count
+        out[name] = {
+            "mean": pc.mean(column).as_py() if valid else None,
+            "min": pc.min(column).as_py() if valid else None,
+            "max": pc.max(column).as_py() if valid else None,
+            "count": valid,
+        }
+    return out

@@ -1,0 +1,401 @@
+"""`flowgrpo update`: rollout + scores -> advantages, a clipped policy-gradient step, a checkpoint.
+
+Reads the iteration's rewards (small columns only), computes group-relative advantages over
+the whole iteration, then trains: inner epochs over shuffled samples, each epoch split into
+`train.steps_per_epoch` optimizer steps; every optimizer step accumulates gradients over the
+trained denoising steps of its samples, streamed micro-batch by micro-batch from the
+memory-mapped rollout parts. Each rank takes every world_size-th sample of an optimizer batch;
+a rank with fewer samples runs zero-weighted micro-batches so FSDP's collectives stay aligned.
+
+Write order, for crash safety: checkpoint files, then advantages.arrow, metrics.json and the
+update manifest, then the checkpoint's manifest, which is what marks the iteration done.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from flowgrpo_cli.advantages import compute_advantages, data_metrics
+from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.loss import LossMetrics, policy_loss
+from flowgrpo_cli.models import Conditioning
+from flowgrpo_cli.policy import weights_file
+from flowgrpo_cli.progress import NullProgress, Progress
+from flowgrpo_cli.rundir import (
+    MANIFEST,
+    RunDir,
+    StageWriter,
+    atomic_write_json,
+    manifest_hash,
+    read_manifest,
+    require_manifest,
+    sha256_file,
+)
+from flowgrpo_cli.sde import STEP_FUNCTIONS
+from flowgrpo_cli.seeding import derive_seed
+from flowgrpo_cli.trainer import Trainer
+from flowgrpo_cli.trajectory import (
+    from_record_batch,
+    open_part,
+    read_conditioning,
+    read_table,
+    write_table,
+)
+
+STAGE = "update"
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    manifest: dict[str, Any]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class IterationData:
+    """The iteration's samples that are trained on, with their advantages (all ranks)."""
+
+    sample_ids: list[str]
+    group_ids: torch.Tensor  # [N] int64
+    advantages: torch.Tensor  # [N] float32
+    locations: list[tuple[int, int, int]]  # per sample: (part, record batch, row)
+    metrics: dict[str, float]
+    table: pa.Table  # sample_id, group_id, reward, advantage: written as advantages.arrow
+
+
+def _stage_dirs(run: RunDir, iteration: int):
+    return (
+        run.stage_dir(iteration, "rollout"),
+        run.stage_dir(iteration, "scores"),
+        run.stage_dir(iteration, STAGE),
+        run.checkpoint_dir(iteration),
+    )
+
+
+def load_iteration(
+    config: Config, run: RunDir, iteration: int, policy_version: str
+) -> IterationData:
+    rollout_dir, scores_dir, _, _ = _stage_dirs(run, iteration)
+    rollout = require_manifest(rollout_dir, "rollout")
+    scores = require_manifest(scores_dir, "score")
+    if rollout["identity"]["config"] != config_hash(config, STAGE_SECTIONS["rollout"]):
+        raise FlowGrpoError(
+            f"{rollout_dir} was sampled with another config or model than this update's; "
+            "delete that iteration folder to redo it"
+        )
+    if rollout["policy_version"] != policy_version:
+        raise FlowGrpoError(
+            f"{rollout_dir} was sampled with policy {rollout['policy_version']}, but the policy "
+            f"to update is {policy_version}: the rollout is stale; delete it and roll out again"
+        )
+    parts = [rollout_dir / name for name in rollout["trajectory_parts"]]
+    samples = read_table(parts, ["sample_id", "group_id"])
+    score_table = read_table([scores_dir / p["name"] for p in scores["parts"]])
+    by_id = {sid: i for i, sid in enumerate(score_table.column("sample_id").to_pylist())}
+    sample_ids = samples.column("sample_id").to_pylist()
+    missing = [sid for sid in sample_ids if sid not in by_id]
+    if missing:
+        raise FlowGrpoError(
+            f"{scores_dir} has no score for {len(missing)} sample(s) of the rollout (first: "
+            f"{missing[:3]}); re-run `flowgrpo score --iteration {iteration}`"
+        )
+    order = [by_id[sid] for sid in sample_ids]
+    rewards = np.array(score_table.column("reward").to_numpy(zero_copy_only=False), dtype=float)
+    rewards = rewards[order]
+    kept = ~np.isnan(rewards)  # the score stage leaves dropped samples without a reward
+    if not kept.any():
+        raise FlowGrpoError(f"{scores_dir}: every sample was dropped; nothing to train on")
+    group_ids = torch.tensor(samples.column("group_id").to_pylist())[kept]
+    total = torch.from_numpy(rewards[kept])
+    advantages = compute_advantages(
+        total, group_ids, std_mode=config.algorithm.advantage_std,
+        clip=config.algorithm.advantage_clip,
+    )  # fmt: skip
+    per_reward = {
+        name: torch.from_numpy(
+            np.array(score_table.column(name).to_numpy(zero_copy_only=False), float)[order]
+        )[kept]
+        for name in scores["rewards"]
+    }
+    metrics = data_metrics(
+        per_reward, total, group_ids, advantages, clip=config.algorithm.advantage_clip
+    )
+    metrics["reward/dropped_samples"] = float((~kept).sum())
+    kept_ids = [sid for sid, k in zip(sample_ids, kept, strict=True) if k]
+    table = pa.table({
+        "sample_id": pa.array(kept_ids, pa.string()),
+        "group_id": pa.array(group_ids.tolist(), pa.int64()),
+        "reward": pa.array(total.tolist(), pa.float64()),
+        "advantage": pa.array(advantages.tolist(), pa.float32()),
+    })  # fmt: skip
+    return IterationData(
+        kept_ids, group_ids, advantages, _locate(parts, set(kept_ids)), metrics, table
+    )
+
+
+def _locate(parts, wanted: set[str]) -> list[tuple[int, int, int]]:
+    """(part, record batch, row) of every wanted sample, in part order."""
+    out = []
+    for p, path in enumerate(parts):
+        reader = open_part(path)
+        for b in range(reader.num_record_batches):
+            ids = reader.get_batch(b).column("sample_id").to_pylist()
+            out.extend((p, b, r) for r, sid in enumerate(ids) if sid in wanted)
+    return out
+
+
+class SampleReader:
+    """Micro-batches of trajectory rows, read from the memory-mapped parts on demand."""
+
+    def __init__(self, parts, locations):
+        self.readers = [open_part(p) for p in parts]
+        self.locations = locations
+
+    def rows(self, indices: list[int]):
+        by_batch: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        for position, index in enumerate(indices):
+            part, batch, row = self.locations[index]
+            by_batch[(part, batch)].append((position, row))
+        pieces, order = [], []
+        for (part, batch), entries in by_batch.items():
+            record = self.readers[part].get_batch(batch)
+            pieces.append(record.take(pa.array([row for _, row in entries])))
+            order.extend(position for position, _ in entries)
+        merged = pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
+        rows = from_record_batch(merged)
+        inverse = np.argsort(order)  # back to the order of `indices`
+        return rows, torch.from_numpy(inverse)
+
+
+def optimizer_batches(
+    num_samples: int, config: Config, iteration: int, epoch: int
+) -> list[list[int]]:
+    """The epoch's shuffled sample indices, split evenly into `steps_per_epoch` batches."""
+    order = list(range(num_samples))
+    random.Random(derive_seed(config.run.seed, iteration, "epoch", epoch)).shuffle(order)
+    steps = min(config.train.steps_per_epoch, num_samples)
+    return [list(chunk) for chunk in np.array_split(order, steps)]
+
+
+def run(
+    config: Config, run: RunDir, iteration: int, trainer: Trainer, progress: Progress | None = None
+) -> UpdateResult:
+    progress = progress or NullProgress()
+    info = dist_info()
+    rollout_dir, scores_dir, update_dir, checkpoint_dir = _stage_dirs(run, iteration)
+    if read_manifest(checkpoint_dir) is not None and read_manifest(update_dir) is not None:
+        return UpdateResult(read_manifest(update_dir), {})
+    policy = trainer.policy
+    require_manifest(rollout_dir, "rollout")
+    require_manifest(scores_dir, "score")
+    identity = {
+        "config": config_hash(config, STAGE_SECTIONS[STAGE]),
+        "rollout": manifest_hash(rollout_dir),
+        "scores": manifest_hash(scores_dir),
+        "policy": policy.version,
+    }
+    if info.is_main:
+        (update_dir / MANIFEST).unlink(missing_ok=True)  # the checkpoint is not done: redo
+    writer = StageWriter(update_dir, STAGE, identity)
+    broadcast_object(writer.begin() if info.is_main else None)
+    data = load_iteration(config, run, iteration, policy.version)
+    started = time.perf_counter()
+    train_metrics = _train(config, run, iteration, trainer, data, progress)
+    seconds = time.perf_counter() - started
+    trainer.state.iteration = iteration
+    trainer.state.config_hash = identity["config"]
+    files = trainer.save(checkpoint_dir)
+    barrier()
+    metrics = {
+        **data.metrics,
+        **train_metrics,
+        "update/seconds": seconds,
+        "update/samples_per_s": len(data.sample_ids) * config.train.inner_epochs / seconds,
+    }
+    manifest: dict[str, Any] = {}
+    if info.is_main:
+        write_table(writer.part_path("advantages.arrow"), data.table)
+        atomic_write_json(update_dir / "metrics.json", metrics)
+        manifest = writer.finish(["advantages.arrow"], counts={
+            "samples": len(data.sample_ids), "optimizer_steps": trainer.state.optimizer_steps,
+        }, extra={"checkpoint": str(checkpoint_dir.relative_to(run.root))})  # fmt: skip
+        checkpoint = StageWriter(checkpoint_dir, "checkpoint", identity)
+        checkpoint.finish(files, counts={"iteration": iteration})
+    barrier()
+    weights = checkpoint_dir / weights_file(policy.mode)
+    policy.version = f"{checkpoint_dir.name}:{sha256_file(weights)[:16]}"
+    return UpdateResult(manifest, metrics)
+
+
+def _train(
+    config: Config,
+    run: RunDir,
+    iteration: int,
+    trainer: Trainer,
+    data: IterationData,
+    progress: Progress,
+) -> dict[str, float]:
+    info = dist_info()
+    policy, adapter = trainer.policy, trainer.policy.adapter
+    rollout_dir = run.stage_dir(iteration, "rollout")
+    rollout = read_manifest(rollout_dir)
+    parts = [rollout_dir / name for name in rollout["trajectory_parts"]]
+    conditioning = read_conditioning([rollout_dir / n for n in rollout["conditioning_parts"]])
+    reader = SampleReader(parts, data.locations)
+    sampler = rollout["sampler"]
+    step_fn = STEP_FUNCTIONS[sampler["kind"]]
+    sigma_max_substitute = float(
+        adapter.sigmas(sampler["num_steps"], sampler["height"], sampler["width"])[1]
+    )
+    beta = config.algorithm.beta
+    micro = config.train.micro_batch_size
+    world = info.world_size
+    device = policy.device
+
+    plan = []  # (epoch, optimizer batch, this rank's micro-batches)
+    for epoch in range(config.train.inner_epochs):
+        for batch in optimizer_batches(len(data.sample_ids), config, iteration, epoch):
+            share = batch[info.rank :: world]
+            count = math.ceil(math.ceil(len(batch) / world) / micro)
+            micro_batches = [share[m * micro : (m + 1) * micro] for m in range(count)]
+            plan.append((len(batch), micro_batches))
+    progress.start(f"update iter {iteration}", total=sum(len(m) for _, m in plan))
+
+    losses = LossMetrics()
+    step_metrics: list[dict[str, float]] = []
+    gap: list[torch.Tensor] = []
+    old_override = (
+        _recompute_old_logprobs(reader, data, conditioning, trainer, step_fn,
+                                sigma_max_substitute, sampler, config)
+        if config.algorithm.recompute_old_logprobs else None
+    )  # fmt: skip
+    policy.transformer.train()
+    first_micro_batch = True
+    for batch_size, micro_batches in plan:
+        for indices in micro_batches:
+            real = bool(indices)
+            indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
+            rows, _ = reader.rows(indices)
+            positions = torch.nonzero(rows.trained[0]).flatten().tolist()
+            if not positions:
+                raise FlowGrpoError(f"{rollout_dir}: no trained step in the stored trajectories")
+            cond = _conditioning(conditioning, rows.group_ids, device)
+            advantages = data.advantages[indices].to(device)
+            weight = (len(indices) * world / (batch_size * len(positions))) if real else 0.0
+            for position in positions:
+                x = rows.latents[:, position].to(device)
+                x_next = rows.latents[:, position + 1].to(device)
+                sigma = rows.timesteps[:, position].to(device)
+                sigma_next = rows.timesteps_next[:, position].to(device)
+                v = adapter.velocity(x, sigma, cond, guidance_scale=sampler["guidance_scale"])
+                out = step_fn(
+                    x,
+                    v,
+                    sigma,
+                    sigma_next,
+                    noise_level=sampler["noise_level"],
+                    sigma_max_substitute=sigma_max_substitute,
+                    next_latents=x_next,
+                )
+                stored = rows.log_probs[:, position].to(device)
+                old = stored
+                if old_override is not None:
+                    old = torch.stack([old_override[(i, position)] for i in indices]).to(device)
+                if first_micro_batch:  # before any optimizer step: the on-policy check
+                    gap.append((out.log_prob.detach() - stored).abs())
+                ref_mean = None
+                if beta > 0:
+                    with torch.no_grad(), trainer.reference_context():
+                        v_ref = adapter.velocity(
+                            x, sigma, cond, guidance_scale=sampler["guidance_scale"]
+                        )
+                        ref_mean = step_fn(
+                            x,
+                            v_ref,
+                            sigma,
+                            sigma_next,
+                            noise_level=sampler["noise_level"],
+                            sigma_max_substitute=sigma_max_substitute,
+                            next_latents=x_next,
+                        ).mean
+                result = policy_loss(
+                    out.log_prob,
+                    old,
+                    advantages,
+                    clip_range=config.algorithm.clip_range,
+                    beta=beta,
+                    mean=out.mean if beta > 0 else None,
+                    ref_mean=ref_mean,
+                    std=out.std if beta > 0 else None,
+                )
+                (result.loss * weight).backward()
+                if real:
+                    losses.add(result)
+            first_micro_batch = False
+            progress.advance(1)
+        step_metrics.append(trainer.step())
+    progress.finish()
+    policy.transformer.eval()
+    metrics = losses.summary()
+    gaps = torch.cat(gap) if gap else torch.zeros(1)
+    metrics.update({
+        "update/logprob_gap_max": float(gaps.max()),
+        "update/logprob_gap_mean": float(gaps.mean()),
+        "update/grad_norm": float(np.mean([m["grad_norm"] for m in step_metrics])),
+        "update/grad_norm_max": float(np.max([m["grad_norm"] for m in step_metrics])),
+        "update/lr": step_metrics[-1]["lr"],
+        "update/optimizer_steps": float(len(step_metrics)),
+    })  # fmt: skip
+    return metrics
+
+
+def _conditioning(store, group_ids: list[int], device) -> Conditioning:
+    return Conditioning.cat(
+        [Conditioning({k: v.unsqueeze(0) for k, v in store[g].items()}) for g in group_ids]
+    ).to(device)
+
+
+@torch.no_grad()
+def _recompute_old_logprobs(
+    reader, data, conditioning, trainer, step_fn, sigma_max_substitute, sampler, config
+):
+    """Old log-probs under the current weights, before any step: (sample, step) -> logp.
+
+    Every rank computes them for every sample: the same forwards on every rank keep FSDP's
+    collectives aligned, and the result is small.
+    """
+    adapter, device = trainer.policy.adapter, trainer.policy.device
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    mine = list(range(len(data.sample_ids)))
+    micro = config.train.micro_batch_size
+    for start in range(0, len(mine), micro):
+        indices = mine[start : start + micro]
+        rows, _ = reader.rows(indices)
+        cond = _conditioning(conditioning, rows.group_ids, device)
+        for position in torch.nonzero(rows.trained[0]).flatten().tolist():
+            x = rows.latents[:, position].to(device)
+            sigma = rows.timesteps[:, position].to(device)
+            v = adapter.velocity(x, sigma, cond, guidance_scale=sampler["guidance_scale"])
+            result = step_fn(
+                x,
+                v,
+                sigma,
+                rows.timesteps_next[:, position].to(device),
+                noise_level=sampler["noise_level"],
+                sigma_max_substitute=sigma_max_substitute,
+                next_latents=rows.latents[:, position + 1].to(device),
+            )
+            for i, index in enumerate(indices):
+                out[(index, position)] = result.log_prob[i].cpu()
+    return out
