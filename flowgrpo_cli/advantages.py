@@ -1,0 +1,222 @@
+"""Group-relative advantages: one scalar per image, from the whole iteration's rewards.
+
+A = (r - mean of r's group) / (std + eps), std the population std (ddof 0) of per-image
+rewards: over the whole iteration on every rank ("global", the paper's default), over the group
+("group"), or not at all ("none", Dr. GRPO: A = r - group mean). A group of one has nothing to
+compare with and gets 0. A is clipped to +-clip.
+
+The statistics take one reward per image, never a per-timestep expanded tensor: the advantage
+of an image must not depend on how many of its steps are trained. The update broadcasts A over
+the trained steps afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from flowgrpo_cli.errors import FlowGrpoError
+
+StdMode = Literal["global", "group", "none"]
+
+
+@dataclass(frozen=True)
+class GatheredRewards:
+    """Every rank's rewards, in rank order; this rank's own sit at [start, start + count)."""
+
+    rewards: torch.Tensor  # [N_all] float64
+    group_ids: torch.Tensor  # [N_all] int64
+    start: int
+    count: int
+
+    def local_part(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a tensor computed over all rewards (e.g. the advantages)."""
+        return values[self.start : self.start + self.count]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    index: torch.Tensor  # [N] int64: each image's group, renumbered 0..G-1
+    sizes: torch.Tensor  # [G] int64
+
+    @property
+    def num_groups(self) -> int:
+        return self.sizes.numel()
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """[N] -> [G] per-group sums."""
+        out = torch.zeros(self.num_groups, dtype=values.dtype, device=values.device)
+        return out.index_add_(0, self.index, values)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """[N] -> [G] per-group means."""
+        return self.sum(values) / self.sizes.to(values.dtype)
+
+    def reduce(self, values: torch.Tensor, op: Literal["amax", "amin"]) -> torch.Tensor:
+        """[N] -> [G] per-group max or min."""
+        out = torch.zeros(self.num_groups, dtype=values.dtype, device=values.device)
+        return out.scatter_reduce_(0, self.index, values, op, include_self=False)
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    std_mode: StdMode = "global",
+    eps: float = 1e-4,
+    clip: float | None = 5.0,
+) -> torch.Tensor:
+    """Advantages [N] float32 for rewards [N] and group ids [N] (the whole iteration's).
+
+    Statistics run in float64 so that a reward of one image cannot shift another's advantage
+    by rounding; ``clip=None`` turns clipping off.
+    """
+    _check_rewards(rewards, group_ids)
+    if rewards.numel() == 0:
+        raise FlowGrpoError("no rewards: an iteration needs at least one scored image")
+    if std_mode not in _DENOMINATORS:
+        raise FlowGrpoError(f"std_mode={std_mode!r}: must be one of {sorted(_DENOMINATORS)}")
+    if not eps >= 0.0:
+        raise FlowGrpoError(f"eps={eps}: must be >= 0")
+    if clip is not None and not clip > 0.0:
+        raise FlowGrpoError(f"clip={clip}: must be > 0, or None for no clipping")
+
+    r = rewards.to(torch.float64)  # [N]
+    groups = _group(group_ids)
+    centered = r - groups.mean(r)[groups.index]  # [N]; exactly 0 for a group of one
+    advantages = centered / _DENOMINATORS[std_mode](r, centered, groups, eps)
+    if clip is not None:
+        advantages = advantages.clamp(-clip, clip)
+    return advantages.to(torch.float32)
+
+
+def _global_std(
+    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float
+) -> torch.Tensor:
+    return r.std(correction=0) + eps  # scalar
+
+
+def _group_std(
+    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float
+) -> torch.Tensor:
+    group_var = groups.mean(centered**2)  # [G], population variance
+    return group_var.sqrt()[groups.index] + eps  # [N]
+
+
+def _no_std(r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float) -> torch.Tensor:
+    return torch.ones_like(r)  # Dr. GRPO: no division, so no eps either
+
+
+_DENOMINATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Groups, float], torch.Tensor]] = {
+    "global": _global_std,
+    "group": _group_std,
+    "none": _no_std,
+}
+
+
+def gather_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> GatheredRewards:
+    """All ranks' rewards and group ids, in rank order, on every rank.
+
+    Without an initialised process group this rank's are returned as they are. Ranks may hold
+    different numbers of images (uneven shards), so each row is padded to the longest before
+    the all_gather and cut back after. Tensors stay on the rewards' device: with NCCL pass CUDA
+    tensors.
+    """
+    _check_rewards(rewards, group_ids)
+    r = rewards.to(torch.float64)  # [N]
+    ids = group_ids.to(torch.int64)  # [N]
+    if not (dist.is_available() and dist.is_initialized()):
+        return GatheredRewards(rewards=r, group_ids=ids, start=0, count=r.numel())
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    count = torch.tensor([r.numel()], dtype=torch.int64, device=r.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count)
+    sizes = [int(c.item()) for c in counts]
+    all_r = _gather_padded(r, sizes)
+    all_ids = _gather_padded(ids, sizes)
+    return GatheredRewards(
+        rewards=all_r, group_ids=all_ids, start=sum(sizes[:rank]), count=sizes[rank]
+    )
+
+
+def _gather_padded(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """all_gather of a [n_rank] tensor whose length differs per rank -> [sum(sizes)]."""
+    longest = max(sizes)
+    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
+    padded[: values.numel()] = values
+    rows = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(rows, padded)
+    return torch.cat([row[:n] for row, n in zip(rows, sizes, strict=True)])
+
+
+def data_metrics(
+    rewards_by_name: dict[str, torch.Tensor],
+    total: torch.Tensor,
+    group_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip: float | None = 5.0,
+) -> dict[str, float]:
+    """The iteration's data metrics, from the whole iteration's tensors (all [N]).
+
+    reward/{name}_{mean,std,min,max} per reward, reward/{mean,std,min,max} of the weighted
+    total, reward/zero_std_group_ratio (groups whose total rewards are all equal, a group of
+    one included: they give no learning signal), advantage/{mean,std,min,max} and
+    advantage/clipped_frac (|A| at the clip). Stds are population stds.
+    """
+    metrics: dict[str, float] = {}
+    for name, values in rewards_by_name.items():
+        metrics.update(_stats(f"reward/{name}_", values))
+    metrics.update(_stats("reward/", total))
+
+    groups = _group(group_ids)
+    t = total.to(torch.float64)
+    flat = groups.reduce(t, "amax") == groups.reduce(t, "amin")  # [G]
+    metrics["reward/zero_std_group_ratio"] = flat.double().mean().item()
+
+    metrics.update(_stats("advantage/", advantages))
+    a = advantages.to(torch.float64)
+    clipped = (a.abs() >= clip).double().mean().item() if clip is not None else 0.0
+    metrics["advantage/clipped_frac"] = clipped
+    return metrics
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    v = values.detach().to(torch.float64)
+    return {
+        f"{prefix}mean": v.mean().item(),
+        f"{prefix}std": v.std(correction=0).item(),
+        f"{prefix}min": v.min().item(),
+        f"{prefix}max": v.max().item(),
+    }
+
+
+def _group(group_ids: torch.Tensor) -> _Groups:
+    _, index, sizes = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    return _Groups(index=index, sizes=sizes)
+
+
+def _check_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
+    if rewards.ndim != 1:
+        raise FlowGrpoError(
+            f"rewards has shape {tuple(rewards.shape)}: pass one reward per image, [N] "
+            "(expand to timesteps only after computing advantages)"
+        )
+    if group_ids.shape != rewards.shape:
+        raise FlowGrpoError(
+            f"group_ids has shape {tuple(group_ids.shape)}, rewards {tuple(rewards.shape)}: "
+            "pass one group id per reward"
+        )
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise FlowGrpoError(f"group_ids has dtype {group_ids.dtype}: must be an integer dtype")
+    bad = (~torch.isfinite(rewards)).sum().item()
+    if bad:
+        raise FlowGrpoError(
+            f"{bad} of {rewards.numel()} rewards are not finite: drop the images whose reward "
+            "failed (reward_error) before computing advantages"
+        )

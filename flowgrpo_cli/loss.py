@@ -1,0 +1,174 @@
+"""The Flow-GRPO policy loss of one trained step, and its metrics.
+
+ratio = exp(logp - logp_old); pg = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))): PPO's
+pessimistic clipped objective, with the tiny eps (1e-4) Flow-GRPO uses because a step's
+log-prob moves a lot for a small change of the mean. The KL to the reference policy is the
+closed form between two Gaussians of equal std: (mean - ref_mean)^2 / (2 std^2), averaged over
+latent elements, then over the batch. loss = pg + beta * kl.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowgrpo_cli.errors import FlowGrpoError
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """The loss to backpropagate and the step's metrics (all scalar tensors)."""
+
+    loss: torch.Tensor  # pg_loss + beta * kl, with grad
+    pg_loss: torch.Tensor  # with grad
+    kl: torch.Tensor  # with grad; 0 when no reference mean was given
+    approx_kl: torch.Tensor  # 0.5 mean(dlogp^2), detached (as are the rest)
+    clipfrac: torch.Tensor  # share of samples with |ratio - 1| > eps
+    clipfrac_above: torch.Tensor  # ratio > 1 + eps
+    clipfrac_below: torch.Tensor  # ratio < 1 - eps
+    ratio_mean: torch.Tensor
+    ratio_min: torch.Tensor
+    ratio_max: torch.Tensor
+    log_ratio_max_abs: torch.Tensor  # on-policy gap: ~0 before the first optimizer step
+    batch_size: int
+
+
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_range: float,
+    beta: float = 0.0,
+    mean: torch.Tensor | None = None,
+    ref_mean: torch.Tensor | None = None,
+    std: torch.Tensor | None = None,
+) -> LossOutput:
+    """Loss of one trained step for a batch: log-probs and advantages [B].
+
+    mean / ref_mean [B, ...] are the step means under the policy and the reference (LoRA off),
+    std [B] the step's std (StepOutput.std). They are needed when beta > 0; given with beta = 0
+    the KL is only measured. Old log-probs, advantages, ref_mean and std are treated as data.
+    """
+    if not clip_range > 0.0:
+        raise FlowGrpoError(f"clip_range={clip_range}: must be > 0 (Flow-GRPO uses 1e-4)")
+    if not beta >= 0.0:
+        raise FlowGrpoError(f"beta={beta}: must be >= 0 (0 = no KL term)")
+    _check_batch(log_prob, old_log_prob, advantages)
+
+    logp = log_prob.float()  # [B]
+    adv = advantages.detach().float()  # [B]
+    log_ratio = logp - old_log_prob.detach().float()  # [B]
+    ratio = torch.exp(log_ratio)  # [B]
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    pg_loss = torch.maximum(unclipped, clipped).mean()
+
+    kl = _kl(mean, ref_mean, std, beta, logp)
+    # Skip the KL term at beta = 0 so that an infinite KL (std 0) cannot turn the loss into NaN.
+    loss = pg_loss + beta * kl if beta > 0.0 else pg_loss
+
+    with torch.no_grad():
+        r = ratio.detach()
+        lr = log_ratio.detach()
+        above = (r > 1.0 + clip_range).float()
+        below = (r < 1.0 - clip_range).float()
+        return LossOutput(
+            loss=loss,
+            pg_loss=pg_loss,
+            kl=kl,
+            approx_kl=0.5 * (lr**2).mean(),
+            clipfrac=(above + below).mean(),
+            clipfrac_above=above.mean(),
+            clipfrac_below=below.mean(),
+            ratio_mean=r.mean(),
+            ratio_min=r.min(),
+            ratio_max=r.max(),
+            log_ratio_max_abs=lr.abs().max(),
+            batch_size=logp.numel(),
+        )
+
+
+def _kl(
+    mean: torch.Tensor | None,
+    ref_mean: torch.Tensor | None,
+    std: torch.Tensor | None,
+    beta: float,
+    logp: torch.Tensor,
+) -> torch.Tensor:
+    """mean_b [ mean_CHW((mean - ref_mean)^2) / (2 std_b^2) ], or 0 without a reference."""
+    given = [t is not None for t in (mean, ref_mean, std)]
+    if not any(given):
+        if beta > 0.0:
+            raise FlowGrpoError(
+                f"beta={beta} needs the step means under the policy and the reference and the "
+                "step std: pass mean, ref_mean and std, or set beta=0"
+            )
+        return torch.zeros((), dtype=torch.float32, device=logp.device)
+    if not all(given):
+        raise FlowGrpoError("pass mean, ref_mean and std together (the KL needs all three)")
+    if mean.shape != ref_mean.shape or mean.shape[0] != logp.numel():
+        raise FlowGrpoError(
+            f"mean {tuple(mean.shape)} and ref_mean {tuple(ref_mean.shape)} must have one "
+            f"shape, with the batch of {logp.numel()} first"
+        )
+    diff = mean.float() - ref_mean.detach().float()  # [B, ...]
+    per_sample = (diff**2).mean(dim=tuple(range(1, diff.ndim)))  # [B]
+    return (per_sample / (2.0 * std.detach().float() ** 2)).mean()
+
+
+def _check_batch(*tensors: torch.Tensor) -> None:
+    shapes = [tuple(t.shape) for t in tensors]
+    if len(set(shapes)) != 1 or len(shapes[0]) != 1:
+        raise FlowGrpoError(
+            f"log_prob, old_log_prob and advantages have shapes {shapes}: "
+            "each must be [B], one value per sample"
+        )
+
+
+# LossOutput field -> how LossMetrics folds it over trained steps and micro-batches.
+_FOLDS: dict[str, str] = {
+    "loss": "mean",
+    "pg_loss": "mean",
+    "kl": "mean",
+    "approx_kl": "mean",
+    "clipfrac": "mean",
+    "clipfrac_above": "mean",
+    "clipfrac_below": "mean",
+    "ratio_mean": "mean",
+    "ratio_min": "min",
+    "ratio_max": "max",
+    "log_ratio_max_abs": "max",
+}
+# "mean" accumulates batch-size-weighted sums, divided by the total weight in summary().
+_COMBINE = {"mean": torch.add, "min": torch.minimum, "max": torch.maximum}
+
+
+class LossMetrics:
+    """Folds LossOutputs of many steps and micro-batches into `update/...` floats.
+
+    Means are weighted by batch size (a short last micro-batch counts for what it holds);
+    ratio_min and ratio_max are the extremes over everything added. Values stay tensors until
+    summary(), so adding a step never waits for the device.
+    """
+
+    def __init__(self) -> None:
+        self._weight = 0
+        self._folded: dict[str, torch.Tensor] = {}
+
+    def add(self, out: LossOutput) -> None:
+        self._weight += out.batch_size
+        for name, fold in _FOLDS.items():
+            value = getattr(out, name).detach().float()
+            if fold == "mean":
+                value = value * out.batch_size
+            previous = self._folded.get(name)
+            self._folded[name] = value if previous is None else _COMBINE[fold](previous, value)
+
+    def summary(self) -> dict[str, float]:
+        """`update/<field>` -> float; empty when nothing was added."""
+        return {
+            f"update/{name}": (value / self._weight if _FOLDS[name] == "mean" else value).item()
+            for name, value in self._folded.items()
+        }
