@@ -1,0 +1,26 @@
+"""An example reward plugin: the mean brightness of each image, from 0 (black) to 1 (white).
+
+Put this folder on PYTHONPATH (export PYTHONPATH=$PWD/examples/plugins) and name
+`brightness:score` in the config's weights table:
+
+    [reward.weights]
+    ocr = 1.0
+    "brightness:score" = 0.1
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PIL import Image, ImageStat
+
+
+def score(
+    images: list[Image.Image], prompts: list[str], metadata: list[dict[str, Any]]
+) -> list[float]:
+    """One value per image, in order; prompts and metadata are not needed here."""
+    return [ImageStat.Stat(image.convert("L")).mean[0] / 255.0 for image in images]
+
+
+# Pure Pillow, no shared state: safe to run in a thread beside the other rewards.
+score.parallel_safe = True

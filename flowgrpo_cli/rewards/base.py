@@ -1,0 +1,126 @@
+"""What every reward takes and gives: a batch in, one value or one error per image out.
+
+A reward never turns a failure into a number. An image it cannot score gets an `ImageScore`
+with an error message and no value, and the score stage decides what to do with that sample
+(see `policy.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Literal, Protocol
+
+from PIL import Image
+
+# What a reward may need from a batch besides metadata, which is always there (maybe empty).
+Need = Literal["images", "prompts", "ground_truths"]
+
+
+@dataclass(frozen=True)
+class RewardBatch:
+    """Images to score and what they were made from; every list has one entry per image.
+
+    `metadata` holds a dict per image (the score stage puts sample_id and group_id there);
+    `ground_truths[i]` is the OCR target of image i, or None when its prompt has none.
+    """
+
+    images: list[Image.Image]
+    prompts: list[str] | None = None
+    ground_truths: list[str | None] | None = None
+    metadata: list[dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prompts", "ground_truths", "metadata"):
+            column = getattr(self, name)
+            if column is not None and len(column) != len(self.images):
+                raise ValueError(f"RewardBatch: {len(column)} {name} for {len(self.images)} images")
+        for index, image in enumerate(self.images):
+            if not isinstance(image, Image.Image):
+                raise TypeError(
+                    f"RewardBatch: image {index} is a {type(image).__name__}, not a PIL image"
+                )
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def slice(self, start: int, stop: int) -> RewardBatch:
+        def part(column: list[Any] | None) -> list[Any] | None:
+            return column[start:stop] if column is not None else None
+
+        return RewardBatch(
+            self.images[start:stop],
+            part(self.prompts),
+            part(self.ground_truths),
+            part(self.metadata),
+        )
+
+    def has(self, need: Need) -> bool:
+        return getattr(self, need) is not None
+
+    def metadata_with_ground_truth(self) -> list[dict[str, Any]]:
+        """Copies of the metadata dicts with `ground_truth` added, for plugins and servers."""
+        metadata = self.metadata if self.metadata is not None else [{}] * len(self)
+        if self.ground_truths is None:
+            return [dict(meta) for meta in metadata]
+        return [
+            {**meta, "ground_truth": truth}
+            for meta, truth in zip(metadata, self.ground_truths, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class ImageScore:
+    """One image's outcome: a finite value, or an error message and no value."""
+
+    value: float | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, message: str) -> ImageScore:
+        return cls(error=message)
+
+    @classmethod
+    def checked(cls, raw: object) -> ImageScore:
+        """A value a scorer returned, refused unless it is a finite real number."""
+        # bool is an int subclass, and a True/False score is almost surely a bug in the scorer;
+        # `__float__` lets 0-d tensors through.
+        if isinstance(raw, bool) or not (isinstance(raw, Real) or hasattr(type(raw), "__float__")):
+            return cls.failed(f"returned {_clip(repr(raw))}, not a number")
+        value = float(raw)
+        if not math.isfinite(value):
+            return cls.failed(f"returned {value}")
+        return cls(value=value)
+
+
+def describe_exception(err: BaseException) -> str:
+    """`Type: message` on one line (OpenCV's messages span several), for tables and logs."""
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def _clip(text: str, width: int = 80) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+@dataclass(frozen=True)
+class RewardOutput:
+    """A reward's answer for a batch: one ImageScore per image, plus per-image details
+    (e.g. `{"text": [...]}`, what OCR read) that the CLI prints and the score stage may store."""
+
+    scores: list[ImageScore]
+    details: dict[str, list[Any]] = field(default_factory=dict)
+
+
+class Reward(Protocol):
+    """The shape of a reward. `needs` names the batch fields it reads; `parallel_safe` says
+    the RewardSet may run it in a thread alongside the other rewards (it shares no state
+    with them and releases the GIL or waits on I/O, so overlapping pays)."""
+
+    name: str
+    needs: frozenset[Need]
+    parallel_safe: bool
+
+    def score(self, batch: RewardBatch) -> RewardOutput: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,113 @@
+"""The two ways the CLI scores images: a rollout iteration (`flowgrpo score`: build the
+rewards from the config once, then `score_batches`) and image files given on the command
+line (`flowgrpo reward`: `score_image_files`)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from PIL import Image, UnidentifiedImageError
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.prompts import extract_target
+from flowgrpo_cli.rewards.base import RewardBatch
+from flowgrpo_cli.rewards.options import RemoteOptions
+from flowgrpo_cli.rewards.policy import (
+    ErrorPolicyOutcome,
+    ErrorSummary,
+    apply_error_policy,
+    check_on_error,
+    summarize_errors,
+)
+from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
+
+if TYPE_CHECKING:
+    from flowgrpo_cli.config import RewardSection
+
+
+def build_rewards_from_config(section: RewardSection) -> RewardSet:
+    """build_rewards with the config's [reward] table; [reward.remote] counts once its url
+    is set."""
+    remote = section.remote
+    options = (
+        RemoteOptions(
+            url=remote.url,
+            timeout_s=remote.timeout_s,
+            max_retries=remote.max_retries,
+            batch_size=remote.batch_size,
+        )
+        if remote.url
+        else None
+    )
+    return build_rewards(section.weights, ocr_workers=section.ocr_workers, remote=options)
+
+
+@dataclass(frozen=True)
+class ScoredIteration:
+    result: ScoreResult  # every sample, in the order the batches gave them
+    outcome: ErrorPolicyOutcome  # which samples the on_error policy keeps
+    summary: ErrorSummary  # failures per reward, for the log and metrics
+
+
+def score_batches(
+    rewards: RewardSet, batches: Iterable[RewardBatch], on_error: str
+) -> ScoredIteration:
+    """Score an iteration chunk by chunk, then apply [reward] on_error over all of it (groups
+    may span chunks). Each batch's metadata must hold `group_id`; `sample_id` names a failed
+    sample in the "stop" message."""
+    check_on_error(on_error)
+    results: list[ScoreResult] = []
+    group_ids: list[Hashable] = []
+    sample_ids: list[Hashable] = []
+    for batch in batches:
+        if batch.metadata is None or any("group_id" not in meta for meta in batch.metadata):
+            raise ValueError("score_batches: every sample's metadata needs a group_id")
+        group_ids += [meta["group_id"] for meta in batch.metadata]
+        sample_ids += [
+            meta.get("sample_id", f"#{len(sample_ids) + i}")
+            for i, meta in enumerate(batch.metadata)
+        ]
+        results.append(rewards.score(batch))
+    result = ScoreResult.concat(results)
+    return ScoredIteration(
+        result=result,
+        outcome=apply_error_policy(result.reward_error, group_ids, on_error, sample_ids=sample_ids),
+        summary=summarize_errors(result),
+    )
+
+
+def score_image_files(
+    paths: Sequence[Path],
+    prompts: Sequence[str],
+    weights: Mapping[str, float],
+    *,
+    ocr_workers: int = 1,
+    remote: RemoteOptions | None = None,
+) -> ScoreResult:
+    """Score image files against their prompts (one each); the OCR target is the prompt's
+    first quoted span. `result.details["ocr"]["text"]` holds what OCR read."""
+    if len(prompts) != len(paths):
+        raise FlowGrpoError(
+            f"{len(prompts)} prompt(s) for {len(paths)} image(s): give one prompt per image"
+        )
+    batch = RewardBatch(
+        images=[_load(Path(path)) for path in paths],
+        prompts=list(prompts),
+        ground_truths=[extract_target(prompt) for prompt in prompts],
+        metadata=[{"sample_id": str(path)} for path in paths],
+    )
+    with build_rewards(weights, ocr_workers=ocr_workers, remote=remote) as rewards:
+        return rewards.score(batch)
+
+
+def _load(path: Path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            return image.copy()  # reads the pixels, so closing the file is safe
+    except FileNotFoundError:
+        raise FlowGrpoError(f"{path}: no such image file") from None
+    except (UnidentifiedImageError, OSError) as err:
+        raise FlowGrpoError(f"{path}: cannot read the image ({err})") from None

@@ -1,0 +1,46 @@
+"""Reward names -> builders, imported only when a reward is built.
+
+Importing this module (or the package) loads no OCR engine, no onnxruntime and no HTTP
+client, so `--help` and config checks stay fast. A name with a ':' is a `module:function`
+plugin (see plugin.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import cast
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rewards.base import Reward
+from flowgrpo_cli.rewards.imports import import_object
+from flowgrpo_cli.rewards.options import RewardOptions
+
+_BUILDERS: dict[str, str] = {
+    "ocr": "flowgrpo_cli.rewards.ocr:build_ocr",
+    "jpeg_compressibility": "flowgrpo_cli.rewards.jpeg:build_compressibility",
+    "jpeg_incompressibility": "flowgrpo_cli.rewards.jpeg:build_incompressibility",
+    "remote": "flowgrpo_cli.rewards.remote:build_remote",
+}
+REWARD_NAMES = tuple(_BUILDERS)
+
+
+Builder = Callable[[RewardOptions], Reward]
+
+
+def resolve(name: str) -> Builder:
+    """The builder for `name`; importing a plugin happens here, so a bad name fails before
+    any reward is built."""
+    if ":" in name:
+        from flowgrpo_cli.rewards.plugin import load_plugin
+
+        plugin = load_plugin(name)
+        return lambda options: plugin
+    if name not in _BUILDERS:
+        close = difflib.get_close_matches(name, REWARD_NAMES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise FlowGrpoError(
+            f"[reward] weights: unknown reward {name!r}{hint}. Valid names: "
+            f"{', '.join(REWARD_NAMES)}, or `module:function` for a plugin"
+        )
+    return cast(Builder, import_object(_BUILDERS[name], f"built-in reward {name!r}"))
