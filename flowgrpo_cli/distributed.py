@@ -1,7 +1,8 @@
 """SPMD ranks: who am I, the process group, and launching N ranks on this host.
 
 One process per device. `--nproc N` re-runs the same command under torch.distributed's own
-launcher (torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR for each child; the parent
+launcher (the elastic agent behind torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR for
+each child; the parent
 only waits. Ranks use gloo on CPU and NCCL on GPU. Nothing here schedules work: every rank
 runs the same code on its own slice.
 """
@@ -9,14 +10,11 @@ runs the same code on its own slice.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-LAUNCHED_ENV = "FLOWGRPO_RANK_PROCESS"  # set in ranks started by our launcher
 
 
 @dataclass(frozen=True)
@@ -89,16 +87,26 @@ def broadcast_object(obj: Any) -> Any:
 
 
 def launch_local(nproc: int, argv: list[str]) -> int:
-    """Run `flowgrpo ARGV` as `nproc` ranks with torchrun on this host; return the exit code."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={nproc}", "-m", "flowgrpo_cli", *argv,
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        LAUNCHED_ENV: "1",
-        "OMP_NUM_THREADS": os.environ.get(
-            "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))
-        ),
-    }
-    return subprocess.call(command, env=env)
+    """Run `flowgrpo ARGV` as `nproc` ranks on this host through torch's elastic launcher (the
+    API behind torchrun; called directly so our options never meet torchrun's own parser).
+    Returns 0, or 1 when a rank failed (its error is printed by the rank itself)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Ranks share the host's cores: without this each would start one thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"flowgrpo-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "flowgrpo_cli", *argv)
+    except ChildFailedError:
+        return 1
+    return 0

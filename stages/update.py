@@ -46,6 +46,7 @@ from flowgrpo_cli.sde import STEP_FUNCTIONS
 from flowgrpo_cli.seeding import derive_seed
 from flowgrpo_cli.trainer import Trainer
 from flowgrpo_cli.trajectory import (
+    TrajectoryRows,
     from_record_batch,
     open_part,
     read_conditioning,
@@ -162,20 +163,21 @@ class SampleReader:
         self.readers = [open_part(p) for p in parts]
         self.locations = locations
 
-    def rows(self, indices: list[int]):
+    def rows(self, indices: list[int]) -> TrajectoryRows:
+        """The rows of `indices`, in that order."""
         by_batch: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
         for position, index in enumerate(indices):
             part, batch, row = self.locations[index]
             by_batch[(part, batch)].append((position, row))
-        pieces, order = [], []
+        pieces, positions = [], []
         for (part, batch), entries in by_batch.items():
             record = self.readers[part].get_batch(batch)
             pieces.append(record.take(pa.array([row for _, row in entries])))
-            order.extend(position for position, _ in entries)
-        merged = pa.Table.from_batches(pieces).combine_chunks().to_batches()[0]
-        rows = from_record_batch(merged)
-        inverse = np.argsort(order)  # back to the order of `indices`
-        return rows, torch.from_numpy(inverse)
+            positions.extend(position for position, _ in entries)
+        merged = pa.Table.from_batches(pieces).combine_chunks()
+        # Grouping by record batch reordered the rows; put them back in the order asked for.
+        in_order = merged.take(pa.array(np.argsort(positions)))
+        return from_record_batch(in_order.to_batches()[0])
 
 
 def optimizer_batches(
@@ -270,7 +272,9 @@ def _train(
             count = math.ceil(math.ceil(len(batch) / world) / micro)
             micro_batches = [share[m * micro : (m + 1) * micro] for m in range(count)]
             plan.append((len(batch), micro_batches))
-    progress.start(f"update iter {iteration}", total=sum(len(m) for _, m in plan))
+    progress.start(
+        f"update iter {iteration}", total=sum(len(m) for _, m in plan), unit="micro-batches"
+    )
 
     losses = LossMetrics()
     step_metrics: list[dict[str, float]] = []
@@ -286,7 +290,7 @@ def _train(
         for indices in micro_batches:
             real = bool(indices)
             indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
-            rows, _ = reader.rows(indices)
+            rows = reader.rows(indices)
             positions = torch.nonzero(rows.trained[0]).flatten().tolist()
             if not positions:
                 raise FlowGrpoError(f"{rollout_dir}: no trained step in the stored trajectories")
@@ -381,7 +385,7 @@ def _recompute_old_logprobs(
     micro = config.train.micro_batch_size
     for start in range(0, len(mine), micro):
         indices = mine[start : start + micro]
-        rows, _ = reader.rows(indices)
+        rows = reader.rows(indices)
         cond = _conditioning(conditioning, rows.group_ids, device)
         for position in torch.nonzero(rows.trained[0]).flatten().tolist():
             x = rows.latents[:, position].to(device)
