@@ -1,0 +1,277 @@
+"""What every model adapter provides, and the small helpers the family adapters share.
+
+An adapter wraps one diffusers pipeline and splits its ``__call__`` into the pieces Flow-GRPO
+drives itself: encode prompts, draw the initial noise, the sigma schedule, one velocity
+function (with CFG) shared by rollout and training, and decode. Run with plain Euler steps
+``x_next = x + (sigma_next - sigma) * v`` in float32, the pieces reproduce the pipeline's own
+images; that equivalence is what the tests hold every family to.
+
+The sampler's state is the latent image ``[B, C, h, w]`` (h, w = image size / 8) for every
+family. FLUX and Qwen-Image pack it into 2x2 patch tokens inside `velocity` only: their
+pipelines draw the noise in that layout before packing, packing is a pure permutation (so
+elementwise Euler / SDE steps commute with it), and it lets `velocity` read the image grid
+from the tensor itself.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from flowgrpo_cli.errors import FlowGrpoError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Text conditioning of a batch: named tensors, batch dim first.
+
+    Keys are the pipeline's own names (``prompt_embeds``, ``pooled_prompt_embeds``,
+    ``prompt_embeds_mask`` and their ``negative_`` twins). ``tensors`` is a plain dict of
+    tensors, so a store can save it as is and rebuild it with ``Conditioning(tensors)``.
+    """
+
+    tensors: dict[str, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        sizes = {name: t.shape[0] for name, t in self.tensors.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Conditioning tensors disagree on the batch size: {sizes}")
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def index(self, idx: int | slice | Sequence[int] | torch.Tensor) -> Conditioning:
+        """Rows ``idx`` of every tensor; an int keeps the batch dim (one row)."""
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1)
+        elif not isinstance(idx, slice):
+            idx = torch.as_tensor(idx, dtype=torch.long)
+        return Conditioning({name: t[idx] for name, t in self.tensors.items()})
+
+    def repeat_interleave(self, repeats: int) -> Conditioning:
+        """Each row `repeats` times in a row: one prompt's conditioning for its whole group."""
+        tensors = self.tensors.items()
+        return Conditioning({name: t.repeat_interleave(repeats, dim=0) for name, t in tensors})
+
+    def to(self, device: torch.device | str) -> Conditioning:
+        return Conditioning({name: t.to(device) for name, t in self.tensors.items()})
+
+    @staticmethod
+    def cat(parts: Sequence[Conditioning]) -> Conditioning:
+        """Stack conditionings of separate batches (e.g. prompts stored one by one).
+
+        Token sequences of different lengths (Qwen-Image's embeddings are as long as the
+        longest prompt of the batch they were encoded in) are right-padded with zeros, as the
+        Qwen-Image pipeline pads its embeddings and masks itself.
+        """
+        names = list(parts[0].tensors)
+        if any(set(part.tensors) != set(names) for part in parts):
+            raise ValueError(f"Conditionings to concatenate have different keys: {names} vs others")
+        out = {}
+        for name in names:
+            tensors = [part[name] for part in parts]
+            if tensors[0].ndim >= 2:
+                length = max(t.shape[1] for t in tensors)
+                tensors = [_pad_dim1(t, length) for t in tensors]
+            out[name] = torch.cat(tensors, dim=0)
+        return Conditioning(out)
+
+
+def _pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:
+    if t.shape[1] == length:
+        return t
+    pad = t.new_zeros((t.shape[0], length - t.shape[1], *t.shape[2:]))
+    return torch.cat([t, pad], dim=1)
+
+
+class ModelAdapter(Protocol):
+    """One pipeline family, split into the pieces Flow-GRPO drives itself.
+
+    Tensors the sampler sees are float32 whatever the model dtype; latents are cast to the
+    transformer's dtype only for its forward.
+    """
+
+    @property
+    def family(self) -> str:
+        """The family name ("sd3", "flux" or "qwenimage"), a key of models.FAMILIES."""
+        ...
+
+    @property
+    def pipeline(self) -> Any:
+        """The diffusers pipeline, as from_pretrained loaded it."""
+        ...
+
+    @property
+    def transformer(self) -> torch.nn.Module:
+        """The denoiser: the module that gets LoRA and FSDP."""
+        ...
+
+    @property
+    def default_lora_targets(self) -> list[str]:
+        """Attention projections LoRA goes on by default (peft target_modules suffixes)."""
+        ...
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
+        """Per-sample shape of the state the sampler integrates: (C, height / 8, width / 8)."""
+        ...
+
+    def encode_prompts(
+        self,
+        prompts: list[str],
+        negative_prompts: list[str] | None,
+        *,
+        guidance_scale: float,
+        max_sequence_length: int | None = None,
+        system_prompt: str | None = None,
+    ) -> Conditioning:
+        """Encode with the pipeline's own encode_prompt.
+
+        Negative prompts are encoded only when `velocity` will use them at this
+        guidance_scale ("" when none are given); otherwise they are ignored, as the pipelines
+        ignore them. max_sequence_length None keeps the pipeline's default.
+        """
+        ...
+
+    def initial_latents(
+        self, generators: list[torch.Generator], height: int, width: int
+    ) -> torch.Tensor:
+        """Noise float32 [B, *latent_shape], row i drawn from generators[i] exactly as the
+        pipeline's prepare_latents draws it (so a row does not depend on the batch)."""
+        ...
+
+    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        """float32 [num_steps + 1], from 1 down to a final 0, as the pipeline schedules them."""
+        ...
+
+    def velocity(
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor,
+        cond: Conditioning,
+        *,
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """One denoising forward with guidance, as the pipeline's __call__ does it.
+
+        latents float32 [B, *latent_shape], sigma float32 [B]; returns float32 like latents.
+        Used by rollout and training alike, so both see the same batch layout and CFG.
+        """
+        ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents [B, *latent_shape] -> images float32 [B, 3, H, W] in [0, 1]."""
+        ...
+
+
+def check_image_size(height: int, width: int, multiple: int) -> None:
+    """Refuse sizes the pipelines would silently round: the latent grid must divide evenly."""
+    if height <= 0 or width <= 0 or height % multiple or width % multiple:
+        raise FlowGrpoError(
+            f"Image size {height}x{width} is not supported: height and width must be positive "
+            f"multiples of {multiple} (e.g. 512x512)."
+        )
+
+
+def draw_noise(
+    generators: Sequence[torch.Generator], shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """float32 [len(generators), *shape], one row per generator, as the pipelines draw it."""
+    from diffusers.utils.torch_utils import randn_tensor
+
+    if not generators:
+        raise ValueError("initial_latents needs one generator per sample; got none")
+    # randn_tensor draws row i from generators[i] alone (on the generators' device, then
+    # moves it): the very call the pipelines' prepare_latents make.
+    return randn_tensor(
+        (len(generators), *shape), generator=list(generators), device=device, dtype=torch.float32
+    )
+
+
+def scheduler_sigmas(pipeline: Any, num_steps: int, **set_timesteps_kwargs: Any) -> torch.Tensor:
+    """The sigmas the pipeline's scheduler sets for `num_steps`, without touching its state."""
+    scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+    scheduler.set_timesteps(num_steps, device="cpu", **set_timesteps_kwargs)
+    return scheduler.sigmas.to(torch.float32)
+
+
+def uses_cfg(cond: Conditioning, guidance_scale: float, family: str) -> bool:
+    """Whether this forward uses CFG; refuses a conditioning encoded without negatives."""
+    use_cfg = guidance_scale > 1.0
+    if use_cfg and "negative_prompt_embeds" not in cond:
+        raise FlowGrpoError(
+            f"{family}: guidance_scale {guidance_scale} needs negative prompt embeddings, but the "
+            "conditioning has none: encode the prompts with the same guidance_scale."
+        )
+    return use_cfg
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, (h/2)(w/2), 4C]: 2x2 patch tokens, row-major over the patch grid,
+    channels of a token ordered (c, dy, dx); the layout FLUX and Qwen-Image transformers take."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Inverse of `pack_latents` for a latent grid of height x width."""
+    b, _, channels = tokens.shape
+    patches = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, channels // 4, height, width)
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """Images float [B, 3, H, W] in [0, 1] -> PIL images, rounded as diffusers' numpy_to_pil."""
+    from PIL import Image
+
+    pixels = (images.detach().float().cpu() * 255).round().clamp(0, 255).to(torch.uint8)
+    return [Image.fromarray(p.permute(1, 2, 0).numpy()) for p in pixels]
+
+
+def to_png(images: torch.Tensor) -> list[bytes]:
+    """Images float [B, 3, H, W] in [0, 1] -> PNG bytes, one per image."""
+    out = []
+    for image in to_pil(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def negatives_for(prompts: list[str], negative_prompts: list[str] | None) -> list[str]:
+    """The negative prompt of each prompt: "" when none are given (SD3's pipeline default)."""
+    if negative_prompts is None:
+        return [""] * len(prompts)
+    if len(negative_prompts) != len(prompts):
+        raise FlowGrpoError(
+            f"Got {len(negative_prompts)} negative prompts for {len(prompts)} prompts: pass one "
+            "per prompt, or none."
+        )
+    return list(negative_prompts)
+
+
+def refuse_system_prompt(family: str, system_prompt: str | None) -> None:
+    if system_prompt is not None:
+        raise FlowGrpoError(
+            f"A system prompt was given, but the {family} text encoders take none: only "
+            "Qwen-Image (a chat model as text encoder) uses one."
+        )
+
+
+def sequence_length_kwargs(max_sequence_length: int | None) -> dict[str, int]:
+    """encode_prompt keyword for a max length; None keeps the pipeline's default."""
+    return {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}

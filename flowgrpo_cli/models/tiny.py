@@ -1,0 +1,325 @@
+"""Tiny random pipelines of each family, built offline from configs.
+
+Tests and the CPU demo need a real checkpoint folder of every family without downloading one.
+Each builder makes the family's components at toy sizes (a few MB), writes them with
+save_pretrained (safetensors), and returns the folder: the adapters then load it through
+DiffusionPipeline.from_pretrained, the very path a real checkpoint takes.
+
+The tokenizers are made from in-memory vocabularies (transformers 5 accepts them), so no
+tokenizer file is fetched either. Weights are random: the images are noise, but every shape,
+dtype and code path is the real one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from flowgrpo_cli.errors import FlowGrpoError
+
+# SD3: the scheduler's static shift of SD3.5. FLUX / Qwen-Image: resolution-dependent shift, with
+# the values of their released scheduler configs (Qwen-Image also stretches to a terminal sigma).
+_SD3_SCHEDULER = {"shift": 3.0}
+_FLUX_SCHEDULER = {
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 4096,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+}
+_QWENIMAGE_SCHEDULER = {
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_image_seq_len": 256,
+    "max_image_seq_len": 8192,
+    "base_shift": 0.5,
+    "max_shift": 0.9,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+}
+
+# The special tokens Qwen2.5-VL's chat template and vision config refer to, in id order after
+# the 256 byte tokens; the text encoder's config must name the same ids.
+_QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+
+def _byte_characters() -> list[str]:
+    """The 256 printable characters byte-level BPE uses for the 256 byte values.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted past 255 so that
+    every byte has a visible, non-whitespace character (the GPT-2 / CLIP / Qwen convention).
+    """
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    # bos 0, eos 1 (also the pad), then every byte character alone and as a word end.
+    pieces = ["<|startoftext|>", "<|endoftext|>"]
+    for char in _byte_characters():
+        pieces += [char, char + "</w>"]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+
+def _t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    pieces = ["<pad>", "</s>", "<unk>", "▁"]
+    for code in range(ord(" ") + 1, ord("~") + 1):
+        pieces += [chr(code), "▁" + chr(code)]
+    return T5Tokenizer(vocab=[(piece, 0.0) for piece in pieces], extra_ids=0)
+
+
+def _qwen_tokenizer():
+    from transformers import Qwen2Tokenizer
+
+    vocab = {char: i for i, char in enumerate(_byte_characters())}
+    for token in _QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_QWEN_SPECIAL_TOKENS[1:])})
+    return tokenizer
+
+
+def _clip_config(*, projection_dim: int = 32):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=77,
+        projection_dim=projection_dim,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
+
+
+def _t5_encoder():
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=256,
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_heads=4,
+            feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=32,
+        )
+    )
+
+
+def _autoencoder_kl(*, scaling_factor: float, shift_factor: float):
+    from diffusers import AutoencoderKL
+
+    # Four levels: the 8x spatial compression of the real SD3 / FLUX VAEs.
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        block_out_channels=[8, 8, 8, 8],
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        sample_size=64,
+    )
+
+
+def _build_sd3():
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+    from transformers import CLIPTextModelWithProjection
+
+    transformer = SD3Transformer2DModel(
+        sample_size=8,  # the pipeline's default image size: 8 latents * 8 = 64 px
+        patch_size=2,
+        in_channels=16,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        caption_projection_dim=64,
+        pooled_projection_dim=64,  # the two CLIP projections (32 each) concatenated
+        pos_embed_max_size=32,  # 32 patches of 2 latents of 8 px: images up to 512 px
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**_SD3_SCHEDULER),
+        vae=_autoencoder_kl(scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=CLIPTextModelWithProjection(_clip_config()),
+        tokenizer=_clip_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config()),
+        tokenizer_2=_clip_tokenizer(),
+        text_encoder_3=_t5_encoder(),
+        tokenizer_3=_t5_tokenizer(),
+    )
+
+
+def _build_flux(*, guidance_embeds: bool):
+    """guidance_embeds=True is FLUX.1-dev (guidance-distilled: the scale is a transformer input);
+    False is FLUX.1-schnell's architecture, where guidance can only be true CFG."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=64,  # T5 d_model
+        pooled_projection_dim=32,  # CLIP hidden size
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim
+    )
+    return FluxPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
+        vae=_autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=CLIPTextModel(_clip_config()),
+        tokenizer=_clip_tokenizer(),
+        text_encoder_2=_t5_encoder(),
+        tokenizer_2=_t5_tokenizer(),
+    )
+
+
+def _build_qwenimage():
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = _qwen_tokenizer()
+    ids = tokenizer.convert_tokens_to_ids(list(_QWEN_SPECIAL_TOKENS))
+    special = dict(zip(_QWEN_SPECIAL_TOKENS, ids, strict=True))
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config={
+                "vocab_size": 320,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 2048,
+                # Multimodal RoPE splits the 8 rotary frequencies of a head (dim 16) into
+                # temporal, height and width sections.
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [1, 1, 2],
+                },
+                "bos_token_id": special["<|endoftext|>"],
+                "eos_token_id": special["<|im_end|>"],
+                "pad_token_id": special["<|endoftext|>"],
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 4,
+                "out_hidden_size": 32,
+                "fullatt_block_indexes": [0],
+            },
+            image_token_id=special["<|image_pad|>"],
+            video_token_id=special["<|video_pad|>"],
+            vision_start_token_id=special["<|vision_start|>"],
+            vision_end_token_id=special["<|vision_end|>"],
+        )
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,  # 16 latent channels packed 2x2
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,  # the text encoder's hidden size
+        axes_dims_rope=(8, 4, 4),  # sums to the head dim
+    )
+    # latents_mean / latents_std keep the released VAE's values, so decode's de-normalization
+    # is exercised with non-trivial numbers.
+    vae = AutoencoderKLQwenImage(
+        base_dim=16,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    return QwenImagePipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**_QWENIMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+    )
+
+
+_BUILDERS: dict[str, Callable[[], object]] = {
+    "sd3": _build_sd3,
+    "flux": lambda: _build_flux(guidance_embeds=True),
+    "flux-schnell": lambda: _build_flux(guidance_embeds=False),
+    "qwenimage": _build_qwenimage,
+}
+
+#: What `build_tiny_pipeline` can build: one per family, plus FLUX without guidance embeds.
+TINY_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
+
+
+def build_tiny_pipeline(family: str, out_dir: Path, *, seed: int = 0) -> Path:
+    """Build a tiny random pipeline of `family`, save it into `out_dir` and return the folder.
+
+    The same seed gives the same weights, so two builds of one family are interchangeable.
+    """
+    if family not in _BUILDERS:
+        raise FlowGrpoError(
+            f"Unknown tiny model family {family!r}; choose one of: {', '.join(TINY_FAMILIES)}."
+        )
+    # Random init draws from the global generator: seed it, and restore the caller's state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipeline = _BUILDERS[family]()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
