@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.render import (
+    render_iteration,
     render_metrics,
     render_prepare_summary,
     render_reward_table,
@@ -185,7 +186,7 @@ def _is_main() -> bool:
 @user_errors
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the pipeline to.")],
-    family: Annotated[str, typer.Option(help="sd3, flux or qwenimage.")] = "sd3",
+    family: Annotated[str, typer.Option(help="sd3, flux, flux-schnell or qwenimage.")] = "sd3",
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:
     """Build a tiny random pipeline of a family, offline, and save it (for tests and demos)."""
@@ -291,10 +292,48 @@ def update(
         trainer = Trainer(resolved.config, policy)
         if number > 0:
             trainer.load(resolved.run.checkpoint_dir(number - 1))
-        progress = RichProgress("micro-batches") if _is_main() else NullProgress()
+        progress = RichProgress() if _is_main() else NullProgress()
         result = stage.run(resolved.config, resolved.run, number, trainer, progress)
         if _is_main():
             render_metrics(console, f"update iteration {number}", result.metrics)
+
+    _run_ranks(resolved, nproc, body)
+
+
+@app.command()
+@user_errors
+def loop(
+    iterations: Annotated[
+        int, typer.Option("--iterations", "-n", help="Train until this many iterations are done.")
+    ],
+    config: ConfigOpt = None,
+    run: RunOpt = None,
+    set_: SetOpt = None,
+    allow_config_change: AllowChangeOpt = False,
+    nproc: NprocOpt = None,
+) -> None:
+    """Rollout -> score -> update, iteration after iteration; a re-run resumes."""
+    from flowgrpo_cli.runconfig import resolve_run
+
+    if iterations < 1:
+        raise FlowGrpoError(f"--iterations {iterations}: must be at least 1")
+    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+
+    def body() -> None:
+        from flowgrpo_cli.loop import run_loop
+        from flowgrpo_cli.progress import NullProgress, RichProgress
+
+        main = _is_main()
+        done = resolved.run.current_iteration()
+        if main and done >= iterations:
+            console.print(f"{resolved.run.root}: {done} iteration(s) already done")
+        run_loop(
+            resolved.config,
+            resolved.run,
+            iterations,
+            progress=RichProgress() if main else NullProgress(),
+            on_iteration=(lambda s: render_iteration(console, s)) if main else None,
+        )
 
     _run_ranks(resolved, nproc, body)
 

@@ -228,7 +228,7 @@ class EvalSection:
     every: int = _option(
         5, "Evaluate every k iterations (and before the first); 0 = never.", check=_at_least(0)
     )
-    num_steps: int = _option(40, "ODE steps for evaluation images.", check=_at_least(1))
+    num_steps: int = _option(40, "ODE steps for evaluation images.", check=_at_least(2))
     guidance_scale: float = _option(4.5, "CFG scale for evaluation.", check=_at_least(1.0))
     num_prompts: int = _option(0, "Test prompts evaluated; 0 = all.", check=_at_least(0))
 

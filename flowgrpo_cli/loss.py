@@ -166,6 +166,27 @@ class LossMetrics:
             previous = self._folded.get(name)
             self._folded[name] = value if previous is None else _COMBINE[fold](previous, value)
 
+    def all_reduce(self) -> None:
+        """Fold in every rank's metrics (a no-op without a process group), so the summary
+        describes the whole update rather than one rank's share of it."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return
+        ops = {
+            "mean": torch.distributed.ReduceOp.SUM,
+            "min": torch.distributed.ReduceOp.MIN,
+            "max": torch.distributed.ReduceOp.MAX,
+        }
+        # NCCL reduces device tensors only; gloo takes CPU ones.
+        nccl = torch.distributed.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        weight = torch.tensor(float(self._weight), device=device)
+        torch.distributed.all_reduce(weight, op=ops["mean"])
+        self._weight = int(weight.item())
+        for name, fold in _FOLDS.items():
+            value = self._folded[name].detach().float().to(device).clone()
+            torch.distributed.all_reduce(value, op=ops[fold])
+            self._folded[name] = value
+
     def summary(self) -> dict[str, float]:
         """`update/<field>` -> float; empty when nothing was added."""
         return {

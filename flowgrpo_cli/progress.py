@@ -6,7 +6,7 @@ from typing import Protocol
 
 
 class Progress(Protocol):
-    def start(self, description: str, total: int) -> None: ...
+    def start(self, description: str, total: int, unit: str = "images") -> None: ...
 
     def advance(self, amount: int = 1) -> None: ...
 
@@ -16,7 +16,7 @@ class Progress(Protocol):
 class NullProgress:
     """For library use and tests: reports nothing."""
 
-    def start(self, description: str, total: int) -> None:
+    def start(self, description: str, total: int, unit: str = "images") -> None:
         pass
 
     def advance(self, amount: int = 1) -> None:
@@ -27,9 +27,14 @@ class NullProgress:
 
 
 class RichProgress:
-    """A rich progress bar with items per second, one task per `start`."""
+    """One rich progress bar per piece of work (`start` ... `finish`), with its rate."""
 
-    def __init__(self, unit: str = "images"):
+    def __init__(self) -> None:
+        self._bar = None
+        self._task = None
+        self._unit = ""
+
+    def start(self, description: str, total: int, unit: str = "images") -> None:
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -39,27 +44,28 @@ class RichProgress:
         )
         from rich.progress import Progress as Bar
 
-        self.unit = unit
+        self.finish()
+        self._unit = unit
         self._bar = Bar(
-            TextColumn("[bold]{task.description}"),
+            TextColumn("[bold]{task.description:<24}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[rate]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
-            transient=False,
         )
-        self._task = None
-
-    def start(self, description: str, total: int) -> None:
         self._bar.start()
         self._task = self._bar.add_task(description, total=total, rate="")
 
     def advance(self, amount: int = 1) -> None:
+        if self._bar is None:
+            return
         self._bar.advance(self._task, amount)
-        task = self._bar.tasks[-1]
-        if task.speed:
-            self._bar.update(self._task, rate=f"{task.speed:.2f} {self.unit}/s")
+        speed = self._bar.tasks[0].speed
+        if speed:
+            self._bar.update(self._task, rate=f"{speed:.2f} {self._unit}/s")
 
     def finish(self) -> None:
-        self._bar.stop()
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

@@ -88,3 +88,20 @@ def render_reward_table(console: Console, images: list, result: Any) -> None:
 
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
+
+
+def render_iteration(console: Console, summary: Any) -> None:
+    """One line per finished loop iteration: the numbers people watch."""
+    m = summary.metrics
+    parts = [f"[bold]iteration {summary.iteration}[/]", f"{summary.seconds:.1f} s"]
+    for key, label in (
+        ("reward/mean", "reward"),
+        ("update/kl", "kl"),
+        ("update/clipfrac", "clipfrac"),
+        ("update/logprob_gap_max", "gap"),
+    ):
+        if key in m:
+            parts.append(f"{label} {m[key]:.4g}")
+    evals = {k: v for k, v in m.items() if k.startswith("eval/") and k.endswith("_mean")}
+    parts += [f"{k} {v:.4g}" for k, v in sorted(evals.items())]
+    console.print(" | ".join(parts), highlight=False)

@@ -13,8 +13,10 @@ loss by the world size so the step equals the single-process step on the same gl
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -135,6 +137,27 @@ class Trainer:
         with torch.no_grad():
             for name, param in self.parameters.items():
                 self.ema[name].lerp_(param.detach(), 1.0 - train.ema_decay)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Evaluate with the EMA of the trained weights (no-op when EMA is off); the policy's
+        version says so, so an evaluation of EMA weights is never mistaken for the raw ones."""
+        if self.ema is None:
+            yield
+            return
+        version = self.policy.version
+        with torch.no_grad():
+            backup = {n: p.detach().clone() for n, p in self.parameters.items()}
+            for name, param in self.parameters.items():
+                param.copy_(self.ema[name])
+        self.policy.version = f"{version}+ema"
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, param in self.parameters.items():
+                    param.copy_(backup[name])
+            self.policy.version = version
 
     # -- checkpoints --------------------------------------------------------------------------
 

@@ -68,25 +68,12 @@ def _score_table(scored, sample_ids: list[str]) -> pa.Table:
     return pa.table(columns)
 
 
-def reward_options(config: Config):
-    from flowgrpo_cli.rewards.remote import RemoteOptions
-
-    remote = config.reward.remote
-    return RemoteOptions(
-        url=remote.url,
-        timeout_s=remote.timeout_s,
-        max_retries=remote.max_retries,
-        batch_size=remote.batch_size,
-    ) if remote.url else None  # fmt: skip
-
-
 def run(
     config: Config, run: RunDir, iteration: int, rewards=None, progress: Progress | None = None
 ) -> ScoreStageResult:
     """Score this rank's rollout parts. `rewards`: a RewardSet kept open by the caller (the
     loop keeps OCR engines alive across iterations); built and closed here when None."""
-    from flowgrpo_cli.rewards import build_rewards
-    from flowgrpo_cli.rewards.commands import score_batches
+    from flowgrpo_cli.rewards.commands import build_rewards_from_config, score_batches
 
     progress = progress or NullProgress()
     info = dist_info()
@@ -103,11 +90,7 @@ def run(
     mine = [name for i, name in enumerate(parts) if i % info.world_size == info.rank]
     own_rewards = rewards is None
     if own_rewards:
-        rewards = build_rewards(
-            config.reward.weights,
-            ocr_workers=config.reward.ocr_workers,
-            remote=reward_options(config),
-        )
+        rewards = build_rewards_from_config(config.reward)
     started = time.perf_counter()
     scored_images = 0
     try:

@@ -351,6 +351,7 @@ def _train(
         step_metrics.append(trainer.step())
     progress.finish()
     policy.transformer.eval()
+    losses.all_reduce()
     metrics = losses.summary()
     gaps = torch.cat(gap) if gap else torch.zeros(1)
     metrics.update({

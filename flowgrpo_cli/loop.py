@@ -1,0 +1,129 @@
+"""`flowgrpo loop`: rollout -> score -> update, iteration after iteration, models resident.
+
+The loop calls the very stage functions the standalone commands call, so it writes exactly
+their files; it only keeps the policy, the trainer (optimizer, EMA) and the reward engines
+alive between them. It starts at the run's first unfinished iteration, and each stage skips
+what is already on disk, so a killed loop re-run with the same command resumes where it was
+and ends with the same checkpoint bytes as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from flowgrpo_cli.config import Config
+from flowgrpo_cli.distributed import barrier, dist_info, init_process_group, resolve_device
+from flowgrpo_cli.engine import engine_class
+from flowgrpo_cli.evaluation import evaluate
+from flowgrpo_cli.grid import GridItem, make_grid
+from flowgrpo_cli.metrics_log import TensorBoard, rebuild
+from flowgrpo_cli.policy import load_policy, load_weights
+from flowgrpo_cli.progress import NullProgress, Progress
+from flowgrpo_cli.rundir import RunDir, atomic_write_bytes, read_manifest
+from flowgrpo_cli.trainer import Trainer
+from flowgrpo_cli.trajectory import iter_batches, read_table
+
+GRID_GROUPS, GRID_PER_GROUP = 4, 4
+
+
+@dataclass(frozen=True)
+class IterationSummary:
+    iteration: int
+    metrics: dict[str, float]
+    seconds: float
+
+
+def run_loop(
+    config: Config,
+    run: RunDir,
+    iterations: int,
+    *,
+    progress: Progress | None = None,
+    on_iteration=None,
+) -> list[IterationSummary]:
+    from flowgrpo_cli.rewards.commands import build_rewards_from_config
+    from flowgrpo_cli.stages import prepare, rollout, score, update
+
+    progress = progress or NullProgress()
+    info = dist_info()
+    device = resolve_device(config.model.device)
+    init_process_group(device)
+    if read_manifest(run.data_dir) is None:
+        if info.is_main:
+            prepare.run(config, run)
+        barrier()
+    start = run.current_iteration()
+    policy = load_policy(config, device)
+    if start > 0:  # before sharding: the checkpoint holds full tensors
+        load_weights(policy, run.checkpoint_dir(start - 1))
+    trainer = Trainer(config, policy)
+    if start > 0:
+        trainer.load(run.checkpoint_dir(start - 1))
+    engine = engine_class(config.sampler.engine)(
+        policy, max_sequence_length=config.model.max_sequence_length,
+        guidance_scale=config.sampler.guidance_scale,
+    )  # fmt: skip
+    board = TensorBoard(run) if info.is_main else None
+    summaries = []
+    with build_rewards_from_config(config.reward) as rewards:
+        if _eval_due(config, start, iterations):
+            with trainer.ema_weights():
+                evaluate(config, run, start, engine, rewards)
+        for iteration in range(start, iterations):
+            started = time.perf_counter()
+            rollout.run(config, run, iteration, engine, progress)
+            score.run(config, run, iteration, rewards, progress)
+            update.run(config, run, iteration, trainer, progress)
+            if info.is_main:
+                write_iteration_grid(run, iteration)
+            if _eval_due(config, iteration + 1, iterations):
+                with trainer.ema_weights():
+                    evaluate(config, run, iteration + 1, engine, rewards)
+            barrier()
+            if info.is_main:
+                lines = rebuild(run, iteration + 1)
+                latest = next(line for line in lines if line["iteration"] == iteration)
+                board.log(latest)
+                summary = IterationSummary(iteration, latest, time.perf_counter() - started)
+                summaries.append(summary)
+                if on_iteration is not None:
+                    on_iteration(summary)
+    if board is not None:
+        board.close()
+    return summaries
+
+
+def _eval_due(config: Config, iteration: int, iterations: int) -> bool:
+    """Evaluate the policy iteration `iteration` starts from: at the start, every k, the end."""
+    every = config.eval.every
+    return bool(every) and (iteration % every == 0 or iteration == iterations)
+
+
+def write_iteration_grid(run: RunDir, iteration: int) -> None:
+    """samples/iter-N.png: the first images of the first groups, with their rewards."""
+    rollout_dir = run.stage_dir(iteration, "rollout")
+    manifest = read_manifest(rollout_dir)
+    scores_dir = run.stage_dir(iteration, "scores")
+    rewards = read_table(
+        [scores_dir / p for p in manifest["trajectory_parts"]], ["sample_id", "reward"]
+    ).to_pydict()
+    reward_of = dict(zip(rewards["sample_id"], rewards["reward"], strict=True))
+    items: list[GridItem] = []
+    per_group: dict[int, int] = {}
+    columns = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
+    parts = [rollout_dir / p for p in manifest["trajectory_parts"]]
+    for batch in iter_batches(parts, columns):
+        for row in batch.to_pylist():
+            group = row["group_id"]
+            if len(per_group) >= GRID_GROUPS and group not in per_group:
+                continue
+            if per_group.get(group, 0) >= GRID_PER_GROUP:
+                continue
+            per_group[group] = per_group.get(group, 0) + 1
+            items.append(
+                GridItem(
+                    row["image"], row["prompt"], row["ground_truth"], reward_of[row["sample_id"]]
+                )
+            )
+    atomic_write_bytes(run.samples_path(iteration), make_grid(items, columns=GRID_PER_GROUP))

@@ -1,0 +1,76 @@
+"""RUN/metrics.jsonl, one line per iteration, rebuilt from the stage folders.
+
+Every stage writes its own metrics.json next to its manifest; the log is derived from them, so
+a resumed run never duplicates or loses a line. TensorBoard event files are written too when
+the `tensorboard` package is installed (the `tensorboard` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from flowgrpo_cli.rundir import RunDir, atomic_write_bytes, read_manifest
+
+STAGE_FOLDERS = ("rollout", "scores", "update")
+
+
+def _read(folder: Path) -> dict[str, float]:
+    path = folder / "metrics.json"
+    if read_manifest(folder) is None or not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def iteration_metrics(run: RunDir, iteration: int) -> dict[str, Any]:
+    from flowgrpo_cli.evaluation import eval_dir
+
+    line: dict[str, Any] = {"iteration": iteration}
+    for stage in STAGE_FOLDERS:
+        line.update(_read(run.stage_dir(iteration, stage)))
+    line.update(_read(eval_dir(run, iteration)))
+    return line
+
+
+def rebuild(run: RunDir, last_iteration: int) -> list[dict[str, Any]]:
+    """Rewrite metrics.jsonl for iterations 0..last_iteration; returns the lines."""
+    lines = [iteration_metrics(run, n) for n in range(last_iteration + 1)]
+    lines = [line for line in lines if len(line) > 1]
+    text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+    atomic_write_bytes(run.metrics_path, text.encode())
+    return lines
+
+
+def read_log(run: RunDir) -> list[dict[str, Any]]:
+    if not run.metrics_path.is_file():
+        return []
+    return [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line]
+
+
+class TensorBoard:
+    """Scalars per iteration under RUN/tensorboard, when tensorboard is importable."""
+
+    def __init__(self, run: RunDir):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # the optional extra is not installed
+            self._writer = None
+            return
+        self._writer = SummaryWriter(log_dir=str(run.root / "tensorboard"))
+
+    @property
+    def enabled(self) -> bool:
+        return self._writer is not None
+
+    def log(self, line: dict[str, Any]) -> None:
+        if self._writer is None:
+            return
+        for key, value in line.items():
+            if key != "iteration" and isinstance(value, int | float):
+                self._writer.add_scalar(key, value, global_step=line["iteration"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
