@@ -60,6 +60,8 @@ def attach_lora(
 
 def load_policy(config: Config, device: torch.device) -> Policy:
     """The base model with its trainable weights set up (LoRA attached, or all trainable)."""
+    if not config.model.path:
+        raise FlowGrpoError("model.path is not set: name a diffusers pipeline folder or hub id")
     adapter = load_adapter(config.model.path, dtype=DTYPES[config.model.dtype], device=device)
     transformer = adapter.transformer
     transformer.requires_grad_(False)

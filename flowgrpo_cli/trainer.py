@@ -29,7 +29,7 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.policy import LORA_PREFIX, Policy, weights_file
 from flowgrpo_cli.rundir import atomic_file, atomic_write_bytes
 
-OPTIMIZER_STATE = "optimizer.pt"
+OPTIMIZER_STATE = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
 EMA_PREFIX = "ema_"
 
@@ -190,7 +190,7 @@ class Trainer:
                 handle.write(save(self._export(ema)))
             files.append(name)
         with atomic_file(folder / OPTIMIZER_STATE) as handle:
-            torch.save(optimizer_state, handle)
+            handle.write(_optimizer_bytes(optimizer_state))
         files.append(OPTIMIZER_STATE)
         atomic_write_bytes(
             folder / TRAINER_STATE, (json.dumps(asdict(self.state), indent=2) + "\n").encode()
@@ -217,7 +217,7 @@ class Trainer:
         path = folder / OPTIMIZER_STATE
         if not path.is_file():
             raise FlowGrpoError(f"{path} is missing: cannot resume the optimizer")
-        full = torch.load(path, map_location="cpu", weights_only=True)
+        full = _optimizer_from_file(path)
         set_optimizer_state_dict(
             self.policy.transformer, self.optimizer, full,
             options=StateDictOptions(full_state_dict=True),
@@ -244,6 +244,35 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+def _optimizer_bytes(state: dict[str, Any]) -> bytes:
+    """A full optimizer state dict as safetensors: tensors under `state.<param>.<field>`, the
+    param groups as JSON metadata. Unlike torch.save (which embeds a random serialization id)
+    the same state always gives the same bytes, and loading it runs no pickle."""
+    from safetensors.torch import save
+
+    tensors = {
+        f"state.{param}.{field}": value.contiguous()
+        for param, fields in state["state"].items()
+        for field, value in fields.items()
+    }
+    return save(tensors, metadata={"param_groups": json.dumps(state["param_groups"])})
+
+
+def _optimizer_from_file(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    with safe_open(str(path), framework="pt") as handle:
+        groups = json.loads(handle.metadata()["param_groups"])
+        for key in handle.keys():  # noqa: SIM118 (safe_open has no iterator)
+            param, field = key.removeprefix("state.").rsplit(".", 1)
+            state.setdefault(param, {})[field] = handle.get_tensor(key)
+    for group in groups:  # JSON turned the betas tuple into a list
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    return {"state": state, "param_groups": groups}
 
 
 def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:

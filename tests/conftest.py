@@ -54,3 +54,60 @@ def tiny_adapter(tiny_model_dir):
         return loaded[family]
 
     return get
+
+
+PROMPTS = [
+    'A shop sign that reads "OPEN" in red neon.',
+    'A mug printed with "Best Dad" on its side.',
+    'A poster saying "Hello World" on a brick wall.',
+    'A birthday cake with "42" in blue icing.',
+    'A road sign showing "STOP" at dusk.',
+    'A book cover titled "Deep Sea" in gold letters.',
+]
+
+
+@pytest.fixture
+def make_run(tmp_path, tiny_model_dir):
+    """(family="sd3", overrides...) -> (Config, RunDir) of a prepared tiny run in tmp_path.
+
+    Small on purpose: 2 prompts x 2 images, 3 steps at 64x64, so a stage takes about a second.
+    """
+    from flowgrpo_cli.stages import prepare
+
+    from flowgrpo_cli.config import dumps_config, load_config
+    from flowgrpo_cli.rundir import RunDir
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+
+    def make(*overrides: str, family: str = "sd3", name: str = "run"):
+        config = load_config(
+            None,
+            [
+                f"run.dir={tmp_path / name}",
+                f"data.train={prompts}",
+                f"data.test={prompts}",
+                f"model.path={tiny_model_dir(family)}",
+                "model.dtype=float32",
+                "model.device=cpu",
+                "model.height=64",
+                "model.width=64",
+                "sampler.num_steps=3",
+                "sampler.batch_size=4",
+                "algorithm.group_size=2",
+                "algorithm.prompts_per_iteration=2",
+                "train.lora_rank=4",
+                "train.lora_alpha=8",
+                "train.micro_batch_size=2",
+                "reward.weights={jpeg_compressibility = 1.0}",
+                "eval.every=0",
+                *overrides,
+            ],
+        )
+        run = RunDir(tmp_path / name)
+        run.root.mkdir(parents=True, exist_ok=True)
+        run.config_path.write_text(dumps_config(config))  # what the CLI's first command writes
+        prepare.run(config, run)
+        return config, run
+
+    return make

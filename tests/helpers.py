@@ -1,0 +1,89 @@
+"""Running stages in-process, as the CLI does, for the stage and loop tests."""
+
+from __future__ import annotations
+
+import torch
+from flowgrpo_cli.stages import rollout, score, update
+
+from flowgrpo_cli.engine import DiffusersEngine
+from flowgrpo_cli.policy import checkpoint_for, load_policy, load_weights
+from flowgrpo_cli.trainer import Trainer
+
+
+def policy_for(config, run, iteration: int = 0):
+    policy = load_policy(config, torch.device("cpu"))
+    checkpoint = checkpoint_for(run, iteration)
+    if checkpoint is not None:
+        load_weights(policy, checkpoint)
+    return policy
+
+
+def engine_for(policy, config):
+    return DiffusersEngine(
+        policy,
+        max_sequence_length=config.model.max_sequence_length,
+        guidance_scale=config.sampler.guidance_scale,
+    )
+
+
+def do_rollout(config, run, iteration: int = 0, policy=None):
+    policy = policy or policy_for(config, run, iteration)
+    return rollout.run(config, run, iteration, engine_for(policy, config))
+
+
+def do_score(config, run, iteration: int = 0):
+    return score.run(config, run, iteration)
+
+
+def do_update(config, run, iteration: int = 0, policy=None):
+    policy = policy or policy_for(config, run, iteration)
+    trainer = Trainer(config, policy)
+    if iteration > 0:
+        trainer.load(run.checkpoint_dir(iteration - 1))
+    return update.run(config, run, iteration, trainer), trainer
+
+
+def do_iteration(config, run, iteration: int = 0):
+    policy = policy_for(config, run, iteration)
+    do_rollout(config, run, iteration, policy)
+    do_score(config, run, iteration)
+    return do_update(config, run, iteration, policy)
+
+
+def stored_rows(run, iteration: int = 0):
+    """(TrajectoryRows of every rollout part, stored conditioning by group id)."""
+    from flowgrpo_cli.rundir import read_manifest
+    from flowgrpo_cli.trajectory import from_record_batch, read_conditioning, read_table
+
+    folder = run.stage_dir(iteration, "rollout")
+    manifest = read_manifest(folder)
+    table = read_table([folder / p for p in manifest["trajectory_parts"]])
+    rows = from_record_batch(table.combine_chunks().to_batches()[0])
+    stored = read_conditioning([folder / p for p in manifest["conditioning_parts"]])
+    return rows, stored
+
+
+@torch.no_grad()
+def recompute_log_probs(policy, config, run, iteration: int = 0):
+    """Log-probs [N, T] of the stored trajectories under `policy`'s current weights."""
+    from flowgrpo_cli.models import Conditioning
+    from flowgrpo_cli.sde import STEP_FUNCTIONS
+
+    rows, stored = stored_rows(run, iteration)
+    cond = Conditioning.cat(
+        [Conditioning({k: v.unsqueeze(0) for k, v in stored[g].items()}) for g in rows.group_ids]
+    )
+    adapter = policy.adapter
+    sigmas = adapter.sigmas(config.sampler.num_steps, config.model.height, config.model.width)
+    out = []
+    for t in range(rows.log_probs.shape[1]):
+        x = rows.latents[:, t]
+        v = adapter.velocity(x, rows.timesteps[:, t], cond,
+                             guidance_scale=config.sampler.guidance_scale)  # fmt: skip
+        step = STEP_FUNCTIONS[config.sampler.kind](
+            x, v, rows.timesteps[:, t], rows.timesteps_next[:, t],
+            noise_level=config.sampler.noise_level, sigma_max_substitute=float(sigmas[1]),
+            next_latents=rows.latents[:, t + 1],
+        )  # fmt: skip
+        out.append(step.log_prob)
+    return torch.stack(out, dim=1), rows

@@ -1,0 +1,101 @@
+"""`flowgrpo loop`: end to end, resumable after SIGKILL at any point, one writer per run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flowgrpo_cli.loop import run_loop
+from flowgrpo_cli.metrics_log import read_log
+from flowgrpo_cli.rundir import read_manifest, verify_stage
+
+ITERATIONS = 2
+
+
+def test_two_iterations_end_to_end(make_run):
+    config, run = make_run("eval.every=1", "eval.num_steps=2", "eval.num_prompts=2")
+    summaries = run_loop(config, run, ITERATIONS)
+    assert [s.iteration for s in summaries] == [0, 1]
+    for iteration in range(ITERATIONS):
+        for stage in ("rollout", "scores", "update"):
+            verify_stage(run.stage_dir(iteration, stage))
+        verify_stage(run.checkpoint_dir(iteration))
+        assert run.samples_path(iteration).is_file()
+        rollout = read_manifest(run.stage_dir(iteration, "rollout"))
+        expected = "base" if iteration == 0 else "iter-000000:"
+        assert rollout["policy_version"].startswith(expected)
+    for iteration in range(ITERATIONS + 1):  # the base, after 1 and after 2 iterations
+        assert (run.root / "samples" / f"eval-iter-{iteration:06d}.png").is_file()
+    log = read_log(run)
+    assert [line["iteration"] for line in log] == [0, 1, 2]
+    assert "update/kl" in log[0] and "eval/reward_mean" in log[0]
+    assert set(log[2]) >= {"iteration", "eval/reward_mean"}
+    # a re-run has nothing left to do and writes the same log
+    assert run_loop(config, run, ITERATIONS) == []
+    assert read_log(run) == log
+
+
+def loop_command(run_root: Path) -> list[str]:
+    return [sys.executable, "-m", "flowgrpo_cli", "loop", "--run", str(run_root),
+            "--iterations", str(ITERATIONS)]  # fmt: skip
+
+
+def run_until(run_root: Path, marker: Path) -> None:
+    """Start the loop, SIGKILL it as soon as `marker` exists (or let it finish)."""
+    proc = subprocess.Popen(loop_command(run_root), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if marker.exists():
+            os.kill(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+
+
+def final_checkpoint(run_root: Path) -> bytes:
+    folder = run_root / "checkpoints" / f"iter-{ITERATIONS - 1:06d}"
+    assert read_manifest(folder) is not None
+    return (folder / "pytorch_lora_weights.safetensors").read_bytes() + (
+        folder / "optimizer.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.slow
+def test_killed_anywhere_resumes_to_the_same_checkpoint(make_run):
+    _, reference = make_run(name="reference")
+    assert subprocess.run(loop_command(reference.root), capture_output=True).returncode == 0
+    _, crashed = make_run(name="crashed")
+    iteration = crashed.iteration_dir(1)
+    kills = [
+        iteration / "rollout" / "pending.json",  # during rollout
+        iteration / "rollout" / "manifest.json",  # between rollout and score
+        iteration / "scores" / "pending.json",  # during score
+        iteration / "update" / "pending.json",  # during update
+    ]
+    for marker in kills:
+        run_until(crashed.root, marker)
+    result = subprocess.run(loop_command(crashed.root), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert final_checkpoint(crashed.root) == final_checkpoint(reference.root)
+    lines = [json.loads(x) for x in (crashed.root / "metrics.jsonl").read_text().splitlines()]
+    assert [line["iteration"] for line in lines] == [0, 1]
+
+
+def test_a_second_loop_on_a_locked_run_is_refused(make_run):
+    _, run = make_run()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run.lock_path.write_text(json.dumps({"pid": holder.pid,
+                                             "host": os.uname().nodename}))  # fmt: skip
+        result = subprocess.run(loop_command(run.root), capture_output=True, text=True)
+        assert result.returncode == 1
+        assert f"locked by pid {holder.pid}" in result.stderr
+    finally:
+        holder.kill()
+        holder.wait()

@@ -1,0 +1,183 @@
+"""Update: on-policy start, the right direction, KL, checkpoints diffusers loads, errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from helpers import (
+    do_iteration,
+    do_rollout,
+    do_score,
+    do_update,
+    policy_for,
+    recompute_log_probs,
+)
+from safetensors.torch import load_file
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.policy import load_weights
+from flowgrpo_cli.rundir import read_manifest
+from flowgrpo_cli.trajectory import read_table, write_table
+
+
+def test_first_micro_batch_is_on_policy_and_files_are_written(make_run):
+    config, run = make_run()
+    result, _ = do_iteration(config, run)
+    metrics = result.metrics
+    assert metrics["update/logprob_gap_max"] < 1e-6
+    assert metrics["update/optimizer_steps"] == 2.0
+    checkpoint = run.checkpoint_dir(0)
+    assert read_manifest(checkpoint)["counts"] == {"iteration": 0}
+    names = {p.name for p in checkpoint.iterdir()}
+    assert {
+        "pytorch_lora_weights.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    } <= names
+    advantages = read_table([run.stage_dir(0, "update") / "advantages.arrow"]).to_pydict()
+    assert len(advantages["sample_id"]) == 4
+    assert sum(advantages["advantage"]) == pytest.approx(0.0, abs=1e-5)
+    saved = json.loads((run.stage_dir(0, "update") / "metrics.json").read_text())
+    assert saved["update/logprob_gap_max"] == metrics["update/logprob_gap_max"]
+    assert run.current_iteration() == 1
+
+
+def test_one_step_moves_log_probs_toward_the_advantage(make_run):
+    config, run = make_run(
+        "algorithm.prompts_per_iteration=1", "algorithm.beta=0", "train.steps_per_epoch=1",
+        "train.lr=1e-3",
+    )  # fmt: skip
+    policy = policy_for(config, run)
+    do_rollout(config, run, policy=policy)
+    do_score(config, run)
+    before, rows = recompute_log_probs(policy, config, run)
+    do_update(config, run, policy=policy)
+    after, _ = recompute_log_probs(policy, config, run)
+    advantages = read_table([run.stage_dir(0, "update") / "advantages.arrow"]).to_pydict()
+    sign = dict(zip(advantages["sample_id"], np.sign(advantages["advantage"]), strict=True))
+    trained = rows.trained[0]
+    moved = (after - before)[:, trained].sum(dim=1)
+    assert sorted(sign.values()) == [-1.0, 1.0]
+    for sample_id, delta in zip(rows.sample_ids, moved.tolist(), strict=True):
+        assert np.sign(delta) == sign[sample_id], (sample_id, delta)
+
+
+def test_kl_is_exactly_zero_with_a_fresh_adapter(make_run):
+    config, run = make_run("algorithm.beta=0.04", "train.steps_per_epoch=1")
+    result, _ = do_iteration(config, run)
+    assert result.metrics["update/kl"] == 0.0  # B = 0: the policy is the reference
+
+
+def test_recomputed_old_logprobs_and_ema_and_warmup(make_run):
+    config, run = make_run(
+        "algorithm.recompute_old_logprobs=true", "train.ema_decay=0.9", "train.warmup_steps=4",
+    )  # fmt: skip
+    result, _ = do_iteration(config, run)
+    assert result.metrics["update/logprob_gap_max"] < 1e-6
+    assert result.metrics["update/lr"] == pytest.approx(config.train.lr * 2 / 4)
+    assert (run.checkpoint_dir(0) / "ema_pytorch_lora_weights.safetensors").is_file()
+
+
+def test_second_iteration_resumes_from_the_checkpoint(make_run):
+    config, run = make_run()
+    do_iteration(config, run, 0)
+    do_rollout(config, run, 1)
+    manifest = read_manifest(run.stage_dir(1, "rollout"))
+    assert manifest["policy_version"].startswith("iter-000000:")
+    do_score(config, run, 1)
+    result, trainer = do_update(config, run, 1)
+    assert trainer.state.optimizer_steps == 4
+    assert result.metrics["update/logprob_gap_max"] < 1e-6
+
+
+def test_checkpoint_loads_in_diffusers_and_changes_the_image(make_run, tiny_model_dir):
+    from diffusers import StableDiffusion3Pipeline
+
+    config, run = make_run("train.lr=0.05")
+    do_iteration(config, run)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_model_dir("sd3"))
+    pipe.set_progress_bar_config(disable=True)
+
+    def image():
+        return pipe("a sign", num_inference_steps=2, height=64, width=64, output_type="np",
+                    generator=torch.Generator().manual_seed(0)).images  # fmt: skip
+
+    base = image()
+    pipe.load_lora_weights(run.checkpoint_dir(0))
+    assert np.abs(image() - base).max() > 1e-4
+
+
+def test_checkpoint_into_a_different_model_is_a_clear_error(make_run):
+    config, run = make_run()
+    do_iteration(config, run)
+    other, _ = make_run("train.lora_rank=8", name="other")
+    with pytest.raises(FlowGrpoError, match="does not match the model's LoRA layers"):
+        load_weights(policy_for(other, run), run.checkpoint_dir(0))
+
+
+def test_full_fine_tuning_with_a_reference_copy(make_run):
+    config, run = make_run("train.mode=full", "algorithm.beta=0.04", "train.lr=1e-5")
+    result, _ = do_iteration(config, run)
+    assert result.metrics["update/logprob_gap_max"] < 1e-6
+    weights = load_file(run.checkpoint_dir(0) / "transformer.safetensors")
+    policy = policy_for(config, run, 1)  # loads those weights back
+    assert policy.version.startswith("iter-000000:")
+    assert len(weights) == len(policy.transformer.state_dict())
+
+
+def test_missing_scores_are_refused(make_run):
+    config, run = make_run()
+    do_rollout(config, run)
+    do_score(config, run)
+    part = run.stage_dir(0, "scores") / "part-00000-of-00001.arrow"
+    write_table(part, read_table([part]).slice(0, 3))
+    with pytest.raises(FlowGrpoError, match="no score for 1 sample"):
+        do_update(config, run)
+
+
+def test_non_finite_rewards_stop_before_a_checkpoint(make_run):
+    config, run = make_run()
+    do_rollout(config, run)
+    do_score(config, run)
+    part = run.stage_dir(0, "scores") / "part-00000-of-00001.arrow"
+    table = read_table([part])
+    rewards = table.column("reward").to_pylist()
+    rewards[2] = float("inf")
+    index = table.column_names.index("reward")
+    write_table(part, table.set_column(index, "reward", pa.array(rewards, pa.float64())))
+    with pytest.raises(FlowGrpoError, match="not finite"):
+        do_update(config, run)
+    assert read_manifest(run.checkpoint_dir(0)) is None
+
+
+def test_rollout_from_another_config_is_refused(make_run):
+    config, run = make_run()
+    do_rollout(config, run)
+    do_score(config, run)
+    changed, _ = make_run("sampler.noise_level=0.5", name="changed")
+    with pytest.raises(FlowGrpoError, match="another config or model"):
+        do_update(changed, run)
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_same_weights_as_one(make_run):
+    config, run = make_run("sampler.batch_size=2")  # two record batches per part
+    do_rollout(config, run)
+    do_score(config, run)
+    copies = {n: run.root.parent / f"nproc{n}" for n in (1, 2)}
+    for nproc, folder in copies.items():
+        shutil.copytree(run.root, folder)
+        result = subprocess.run(
+            [sys.executable, "-m", "flowgrpo_cli", "update", "--run", str(folder),
+             "--nproc", str(nproc)], capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    one, two = (load_file(f / "checkpoints/iter-000000/pytorch_lora_weights.safetensors")
+                for f in copies.values())  # fmt: skip
+    assert one.keys() == two.keys()
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
