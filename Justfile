@@ -26,9 +26,16 @@ setup:
         touch "$stamp"
     fi
 
-# The main job on the built-in tiny model.
+# The main job on the built-in tiny model: a tiny SD3 pipeline, 10 iterations, a report.
 demo: setup
-    {{venv}}/bin/flowgrpo prepare --config examples/tiny.toml
+    #!/usr/bin/env bash
+    set -euo pipefail
+    flowgrpo="{{venv}}/bin/flowgrpo"
+    [ -f runs/models/tiny-sd3/model_index.json ] || "$flowgrpo" tiny-model --family sd3 runs/models/tiny-sd3
+    # The demo's reward is the example plugin examples/plugins/brightness.py.
+    export PYTHONPATH="$PWD/examples/plugins${PYTHONPATH:+:$PYTHONPATH}"
+    "$flowgrpo" loop --config examples/tiny.toml --iterations 10
+    "$flowgrpo" report runs/tiny
 
 # Lint, format check and the whole test suite.
 test: setup

@@ -381,6 +381,20 @@ def _reward_weights(items: list[str]) -> dict[str, float]:
 
 @app.command()
 @user_errors
+def report(
+    run: Annotated[Path, typer.Argument(help="The run directory.")],
+) -> None:
+    """Write RUN/report/index.html (self-contained) and PNG plots from the run's metrics."""
+    from flowgrpo_cli.report import write_report
+    from flowgrpo_cli.rundir import RunDir
+
+    if not run.is_dir():
+        raise FlowGrpoError(f"{run} is not a run directory")
+    console.print(f"report -> {write_report(RunDir(run))}")
+
+
+@app.command()
+@user_errors
 def inspect(
     path: Annotated[
         Path, typer.Argument(help="A run, an iteration folder, a stage folder or one part file.")

@@ -12,6 +12,7 @@ import pytest
 
 from flowgrpo_cli.loop import run_loop
 from flowgrpo_cli.metrics_log import read_log
+from flowgrpo_cli.report import write_report
 from flowgrpo_cli.rundir import read_manifest, verify_stage
 
 ITERATIONS = 2
@@ -38,6 +39,19 @@ def test_two_iterations_end_to_end(make_run):
     # a re-run has nothing left to do and writes the same log
     assert run_loop(config, run, ITERATIONS) == []
     assert read_log(run) == log
+    page = write_report(run).read_text()
+    assert page.count("<img") >= 6 + 5  # plots + iteration and eval grids
+    assert (run.root / "report" / "rewards.png").is_file()
+
+
+def test_report_without_metrics_is_a_clear_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from flowgrpo_cli.cli import app
+
+    result = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "run `flowgrpo loop` first" in result.output
 
 
 def loop_command(run_root: Path) -> list[str]:

@@ -1,0 +1,132 @@
+"""`flowgrpo report RUN`: one self-contained HTML page (plots and grids inlined) plus PNG plots.
+
+Everything comes from RUN/metrics.jsonl and RUN/samples/, so a report can be made while a run
+is still going, or long after, and never needs the model.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.metrics_log import read_log
+from flowgrpo_cli.rundir import RunDir, atomic_write_bytes
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str  # file stem
+    title: str
+    keys: list[str]  # metric keys drawn as lines, in legend order
+
+
+def _plots(keys: set[str]) -> list[Plot]:
+    rewards = sorted(k for k in keys if k.startswith("reward/") and k.endswith("_mean"))
+    evals = sorted(k for k in keys if k.startswith("eval/") and k.endswith(("_mean", "_exact")))
+    plots = [
+        Plot("rewards", "reward (train: rollout mean, eval: held-out ODE samples)",
+             ["reward/mean", *rewards, *evals]),
+        Plot("loss", "loss", ["update/loss", "update/pg_loss"]),
+        Plot("kl", "KL to the reference", ["update/kl", "update/approx_kl"]),
+        Plot("clipfrac", "clipped share of ratios",
+             ["update/clipfrac", "update/clipfrac_above", "update/clipfrac_below"]),
+        Plot("ratio", "policy ratio and on-policy log-prob gap",
+             ["update/ratio_mean", "update/ratio_min", "update/ratio_max",
+              "update/logprob_gap_max"]),
+        Plot("timings", "seconds per stage",
+             ["rollout/seconds", "score/seconds", "update/seconds", "eval/seconds"]),
+    ]  # fmt: skip
+    return [p for p in plots if any(k in keys for k in p.keys)]
+
+
+def _draw(plot: Plot, log: list[dict[str, Any]]) -> bytes:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for key in plot.keys:
+        points = [(line["iteration"], line[key]) for line in log if key in line]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            axes.plot(xs, ys, marker="o", markersize=3, label=key)
+    axes.set_title(plot.title, fontsize=10)
+    axes.set_xlabel("iteration")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    plt.close(figure)
+    return buffer.getvalue()
+
+
+def _img(png: bytes, alt: str) -> str:
+    data = base64.b64encode(png).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _summary_table(log: list[dict[str, Any]]) -> str:
+    columns = ["iteration", "reward/mean", "eval/reward_mean", "update/kl", "update/clipfrac",
+               "update/logprob_gap_max", "rollout/seconds", "update/seconds"]  # fmt: skip
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    rows = []
+    for line in log:
+        cells = []
+        for column in columns:
+            value = line.get(column)
+            text = "" if value is None else (str(value) if column == "iteration"
+                                            else f"{value:.4g}")  # fmt: skip
+            cells.append(f"<td>{text}</td>")
+        rows.append(f"<tr>{''.join(cells)}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1400px; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin-top: 2em; }
+.plots { display: flex; flex-wrap: wrap; gap: 12px; }
+.plots img { width: 640px; border: 1px solid #ddd; }
+.grids img { max-width: 100%; border: 1px solid #ddd; margin-bottom: 1em; }
+table { border-collapse: collapse; font-size: 0.85em; }
+td, th { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
+"""
+
+
+def write_report(run: RunDir) -> Path:
+    """Write RUN/report/index.html and one PNG per plot; returns the HTML path."""
+    log = read_log(run)
+    if not log:
+        raise FlowGrpoError(f"{run.metrics_path} is missing or empty: run `flowgrpo loop` first")
+    out = run.root / "report"
+    keys = set().union(*log)
+    plots = []
+    for plot in _plots(keys):
+        png = _draw(plot, log)
+        atomic_write_bytes(out / f"{plot.name}.png", png)
+        plots.append(_img(png, plot.title))
+    grids = []
+    samples = run.root / "samples"
+    for path in sorted(samples.glob("*.png")) if samples.is_dir() else []:
+        grids.append(f"<h3>{html.escape(path.stem)}</h3>{_img(path.read_bytes(), path.stem)}")
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>flowgrpo report: {html.escape(run.root.name)}</title>
+<style>{STYLE}</style></head><body>
+<h1>flowgrpo run <code>{html.escape(str(run.root))}</code></h1>
+<p>{len([x for x in log if "update/loss" in x])} training iteration(s).
+Train reward: mean over each iteration's rollout images. Eval: ODE sampling of fixed held-out
+prompts with fixed seeds.</p>
+<h2>Curves</h2><div class="plots">{"".join(plots)}</div>
+<h2>Iterations</h2>{_summary_table(log)}
+<h2>Sample grids</h2><div class="grids">{"".join(grids)}</div>
+</body></html>
+"""
+    atomic_write_bytes(out / "index.html", page.encode())
+    return out / "index.html"
