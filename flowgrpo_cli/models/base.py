@@ -98,6 +98,21 @@ def _pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=1)
 
 
+# All three families use joint (MM-DiT style) attention: image projections to_q / to_k / to_v /
+# to_out.0 and text-stream projections add_*_proj / to_add_out (FLUX's single-stream blocks
+# reuse the to_q / to_k / to_v names). LoRA goes on these by default, as in Flow-GRPO.
+JOINT_ATTENTION_LORA_TARGETS = (
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+)
+
+
 class ModelAdapter(Protocol):
     """One pipeline family, split into the pieces Flow-GRPO drives itself.
 

@@ -26,6 +26,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
+    JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
     check_image_size,
     draw_noise,
@@ -36,19 +37,6 @@ from flowgrpo_cli.models.base import (
     sequence_length_kwargs,
     unpack_latents,
     uses_cfg,
-)
-
-# Attention of the double-stream blocks (image and "add_" text projections); the
-# single-stream blocks' attention reuses the names to_q / to_k / to_v.
-_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
 )
 
 
@@ -63,7 +51,7 @@ class FluxAdapter:
 
     @property
     def default_lora_targets(self) -> list[str]:
-        return list(_LORA_TARGETS)
+        return list(JOINT_ATTENTION_LORA_TARGETS)
 
     @property
     def guidance_embeds(self) -> bool:

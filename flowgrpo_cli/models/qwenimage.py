@@ -26,6 +26,7 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
 from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
+    JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
     check_image_size,
     draw_noise,
@@ -35,18 +36,6 @@ from flowgrpo_cli.models.base import (
     sequence_length_kwargs,
     unpack_latents,
     uses_cfg,
-)
-
-# Joint attention of the dual-stream blocks: image-stream and text-stream ("add_") projections.
-_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
 )
 
 
@@ -61,7 +50,7 @@ class QwenImageAdapter:
 
     @property
     def default_lora_targets(self) -> list[str]:
-        return list(_LORA_TARGETS)
+        return list(JOINT_ATTENTION_LORA_TARGETS)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         factor = self.pipeline.vae_scale_factor

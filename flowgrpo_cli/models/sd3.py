@@ -18,6 +18,7 @@ from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import c
 
 from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
+    JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
     check_image_size,
     draw_noise,
@@ -26,18 +27,6 @@ from flowgrpo_cli.models.base import (
     scheduler_sigmas,
     sequence_length_kwargs,
     uses_cfg,
-)
-
-# Joint attention of the MMDiT blocks: image-stream and text-stream ("add_") projections.
-_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
 )
 
 
@@ -52,7 +41,7 @@ class SD3Adapter:
 
     @property
     def default_lora_targets(self) -> list[str]:
-        return list(_LORA_TARGETS)
+        return list(JOINT_ATTENTION_LORA_TARGETS)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         factor = self.pipeline.vae_scale_factor
