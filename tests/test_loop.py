@@ -39,6 +39,7 @@ def test_two_iterations_end_to_end(make_run):
     # a re-run has nothing left to do and writes the same log
     assert run_loop(config, run, ITERATIONS) == []
     assert read_log(run) == log
+    assert list((run.root / "tensorboard").glob("events.out.tfevents.*"))
     page = write_report(run).read_text()
     assert page.count("<img") >= 6 + 5  # plots + iteration and eval grids
     assert (run.root / "report" / "rewards.png").is_file()
