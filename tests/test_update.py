@@ -73,9 +73,10 @@ def test_kl_is_exactly_zero_with_a_fresh_adapter(make_run):
     assert result.metrics["update/kl"] == 0.0  # B = 0: the policy is the reference
 
 
-def test_recomputed_old_logprobs_and_ema_and_warmup(make_run):
+def test_recomputed_old_logprobs_ema_warmup_and_checkpointing(make_run):
     config, run = make_run(
         "algorithm.recompute_old_logprobs=true", "train.ema_decay=0.9", "train.warmup_steps=4",
+        "train.gradient_checkpointing=true",
     )  # fmt: skip
     result, _ = do_iteration(config, run)
     assert result.metrics["update/logprob_gap_max"] < 1e-6
@@ -181,3 +182,14 @@ def test_two_processes_train_the_same_weights_as_one(make_run):
                 for f in copies.values())  # fmt: skip
     assert one.keys() == two.keys()
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5
+    # FSDP2's bfloat16 mixed-precision policy trains too (close to, not equal to, float32)
+    mixed = run.root.parent / "mixed"
+    shutil.copytree(run.root, mixed)
+    result = subprocess.run(
+        [sys.executable, "-m", "flowgrpo_cli", "update", "--run", str(mixed), "--nproc", "2",
+         "--set", "train.mixed_precision=bfloat16", "--allow-config-change"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    bf16 = load_file(mixed / "checkpoints/iter-000000/pytorch_lora_weights.safetensors")
+    assert max((one[k] - bf16[k]).abs().max().item() for k in one) < 1e-2
