@@ -37,6 +37,10 @@ demo: setup
     "$flowgrpo" loop --config examples/tiny.toml --iterations 10
     "$flowgrpo" report runs/tiny
 
+# Every benchmark, side by side, one table (also written to benchmarks/results.md).
+bench: setup
+    OMP_NUM_THREADS=1 {{python}} -m benchmarks --out benchmarks/results.md
+
 # Lint, format check and the whole test suite.
 test: setup
     {{venv}}/bin/ruff check .

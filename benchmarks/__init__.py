@@ -1,0 +1,15 @@
+"""flowgrpo's benchmarks: `just bench` (`python -m benchmarks`) runs them all on the CPU.
+
+Each compares a flowgrpo stage with the least work that produces the same result, side by side
+in one process, on the built-in tiny SD3 model:
+
+1. rollout   the rollout stage vs the plain diffusers pipeline call making the same images
+             (and vs that call on the LoRA-wrapped transformer), with a breakdown of the parts
+2. update    the update stage vs the bare LoRA forward + backward of the same micro-batches
+3. memory    the update's peak memory at 1x and 8x the samples per iteration, in fresh processes
+4. loop      `flowgrpo loop` vs the same stages run as separate commands, and each stage's share
+5. arrow     writing / reading a rollout part as Arrow vs copying / reading a plain file
+6. ocr       OCR reward throughput (images/s) with 1 and 2 worker processes
+
+Results go to the console and to benchmarks/results.md (with the date and the machine).
+"""
