@@ -4,6 +4,7 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 venv := justfile_directory() / ".venv"
 python := venv / "bin/python"
+venv_vllm := justfile_directory() / ".venv-vllm"
 export HF_HUB_OFFLINE := env_var_or_default("HF_HUB_OFFLINE", "1")
 
 # List the recipes.
@@ -46,6 +47,16 @@ test: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
     {{python}} -m pytest
+
+# The vllm-omni rollout engine's own environment, .venv-vllm: torch 2.13, vllm 0.30,
+# vllm-omni 0.30 (which pins diffusers 0.40) and flowgrpo. 1.7 GB download, 6.6 GB on disk.
+setup-vllm:
+    bash scripts/vllm/setup.sh
+
+# The vllm-omni engine against the diffusers engine, on CPU (minutes; not part of `test`).
+test-vllm:
+    bash scripts/vllm/setup.sh --cpu-test
+    {{venv_vllm}}/bin/python -m pytest tests/vllm -s
 
 # Apply the formatter and the linter's safe fixes.
 fmt: setup

@@ -217,9 +217,10 @@ def rollout(
         from flowgrpo_cli.stages import rollout as stage
 
         number = resolved.run.current_iteration() if iteration is None else iteration
-        policy = _load_policy_for(resolved, number)
         cfg = resolved.config
-        engine = engine_class(cfg.sampler.engine)(
+        make_engine = engine_class(cfg.sampler.engine)  # fails fast on a missing engine
+        policy = _load_policy_for(resolved, number)
+        engine = make_engine(
             policy,
             max_sequence_length=cfg.model.max_sequence_length,
             guidance_scale=cfg.sampler.guidance_scale,

@@ -93,7 +93,17 @@ def batches(requests: list[SampleRequest], size: int) -> Iterator[list[SampleReq
         yield requests[start : start + size]
 
 
-ENGINES: dict[str, Callable[..., RolloutEngine]] = {"diffusers": DiffusersEngine}
+def _vllm_omni_engine(policy: Policy, **kwargs) -> RolloutEngine:
+    """flowgrpo_cli.vllm_engine, imported only when chosen: it needs .venv-vllm."""
+    from flowgrpo_cli.vllm_engine import VllmOmniEngine
+
+    return VllmOmniEngine(policy, **kwargs)
+
+
+ENGINES: dict[str, Callable[..., RolloutEngine]] = {
+    "diffusers": DiffusersEngine,
+    "vllm-omni": _vllm_omni_engine,
+}
 
 
 def engine_class(name: str) -> Callable[..., RolloutEngine]:
@@ -101,4 +111,8 @@ def engine_class(name: str) -> Callable[..., RolloutEngine]:
         raise FlowGrpoError(
             f"sampler.engine = {name!r} is not available (engines: {', '.join(ENGINES)})"
         )
+    if name == "vllm-omni":  # say how to install it before the caller loads a policy
+        from flowgrpo_cli.vllm_engine import require_vllm_omni
+
+        require_vllm_omni()
     return ENGINES[name]

@@ -54,13 +54,14 @@ def run_loop(
             prepare.run(config, run)
         barrier()
     start = run.current_iteration()
+    make_engine = engine_class(config.sampler.engine)  # fails fast on a missing engine
     policy = load_policy(config, device)
     if start > 0:  # before sharding: the checkpoint holds full tensors
         load_weights(policy, run.checkpoint_dir(start - 1))
     trainer = Trainer(config, policy)
     if start > 0:
         trainer.load(run.checkpoint_dir(start - 1))
-    engine = engine_class(config.sampler.engine)(
+    engine = make_engine(
         policy, max_sequence_length=config.model.max_sequence_length,
         guidance_scale=config.sampler.guidance_scale,
     )  # fmt: skip
