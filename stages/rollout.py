@@ -182,6 +182,7 @@ def run(
         "rollout/images_per_s": produced / seconds if produced and seconds > 0 else 0.0,
     }
     if not info.is_main:
+        barrier()  # until rank 0 has written the manifest: the next stage reads it
         return RolloutResult({}, metrics)
     world = info.world_size
     parts = [part_name(r, world) for r in range(world)]
@@ -212,6 +213,7 @@ def run(
             },
         },
     )
+    barrier()
     return RolloutResult(manifest, metrics)
 
 

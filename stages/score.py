@@ -117,6 +117,7 @@ def run(
         "score/images_per_s": scored_images / seconds if scored_images else 0.0,
     }
     if not info.is_main:
+        barrier()  # until rank 0 has written the manifest: the next stage reads it
         return ScoreStageResult({}, metrics)
     table = read_table([stage_dir / name for name in parts])
     names = [c for c in table.column_names if c not in ("sample_id", "reward", "reward_error")]
@@ -133,6 +134,7 @@ def run(
                "on_error": config.reward.on_error, "first_errors": errors[:5],
                "stats": _stats(table, names)},
     )  # fmt: skip
+    barrier()
     return ScoreStageResult(manifest, metrics)
 
 

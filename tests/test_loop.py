@@ -114,3 +114,17 @@ def test_a_second_loop_on_a_locked_run_is_refused(make_run):
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.slow
+def test_loop_as_two_ranks(make_run):
+    # Regression: rank 1 once reached the score stage before rank 0 had written the rollout
+    # manifest; every stage now ends with a barrier after its manifest.
+    _, run = make_run()
+    result = subprocess.run(
+        [sys.executable, "-m", "flowgrpo_cli", "loop", "--run", str(run.root),
+         "--iterations", "1", "--nproc", "2"], capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(read_manifest(run.stage_dir(0, "rollout"))["trajectory_parts"]) == 2
+    assert read_manifest(run.checkpoint_dir(0)) is not None
