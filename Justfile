@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := env_var_or_default("HF_HUB_OFFLINE", "1")
 default:
     @just --list
 
-# Create .venv and install flowgrpo with its test and OCR extras (idempotent, fast when done).
+# Create .venv and install flowgrpo with its test, OCR and Ray extras (idempotent, fast when done).
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -23,7 +23,7 @@ setup:
     fi
     stamp="{{venv}}/.flowgrpo-installed"
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-        "{{python}}" -m pip install --quiet -e '.[ocr,dev]'
+        "{{python}}" -m pip install --quiet -e '.[ocr,dev,ray]'
         touch "$stamp"
     fi
 

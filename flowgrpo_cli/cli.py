@@ -7,6 +7,7 @@ and exit code 1; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,10 @@ AllowChangeOpt = Annotated[
 ]
 
 
+# True while `run_in_rank` runs a command: a user error then propagates to the Ray launcher.
+_RAISE_USER_ERRORS = contextvars.ContextVar("flowgrpo_raise_user_errors", default=False)
+
+
 def user_errors(fn: F) -> F:
     """Turn FlowGrpoError into a clean message and exit code 1."""
 
@@ -70,12 +75,29 @@ def user_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except FlowGrpoError as err:
+            if _RAISE_USER_ERRORS.get():
+                raise
             err_console.print(
                 f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True
             )
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def run_in_rank(argv: list[str]) -> None:
+    """Run `flowgrpo ARGV` in this process as one rank of a Ray launch (ray_launch.py).
+
+    A FlowGrpoError is raised rather than printed: Ray hands it to the launching process,
+    which reports it with the rank's number.
+    """
+    token = _RAISE_USER_ERRORS.set(True)
+    try:
+        code = app(list(argv), standalone_mode=False, prog_name="flowgrpo")
+    finally:
+        _RAISE_USER_ERRORS.reset(token)
+    if code:
+        raise FlowGrpoError(f"`flowgrpo {' '.join(argv)}` exited with code {code}")
 
 
 @app.command()
@@ -126,7 +148,16 @@ NprocOpt = Annotated[
     int | None,
     typer.Option(
         "--nproc",
-        help="Ranks on this host, via torch.distributed's launcher (sets distributed.nproc).",
+        help="Ranks: processes on this host via torch.distributed's launcher, or Ray workers "
+        "with --ray-address (sets distributed.nproc).",
+    ),
+]
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        help="Run the ranks on this Ray cluster: the head's HOST:PORT, or `auto` (as "
+        'distributed.backend = "ray" with distributed.ray_address); --nproc = Ray workers.',
     ),
 ]
 IterationOpt = Annotated[
@@ -140,21 +171,39 @@ IterationOpt = Annotated[
 ]
 
 
-def _run_ranks(resolved: Any, nproc: int | None, body: Callable[[], None]) -> None:
-    """Run `body` in this process, or as `nproc` ranks re-launched through torchrun.
+def _run_ranks(
+    resolved: Any, nproc: int | None, body: Callable[[], None], ray_address: str | None = None
+) -> None:
+    """Run `body` in this process, or as `nproc` ranks re-launched through torchrun or placed
+    by Ray (`--ray-address`, or distributed.backend = "ray").
 
     The launching process holds the run's lock while its ranks work; ranks take no lock.
     """
     import sys
 
     from flowgrpo_cli.distributed import is_rank_process, launch_local
+    from flowgrpo_cli.ray_launch import ray_address_for
     from flowgrpo_cli.rundir import RunLock
 
-    ranks = nproc or resolved.config.distributed.nproc
+    section = resolved.config.distributed
+    ranks = nproc or section.nproc
     if is_rank_process():
         body()
         return
+    address = ray_address_for(resolved.config, ray_address)
     with RunLock(resolved.run.root):
+        if address is not None:
+            from flowgrpo_cli.ray_launch import launch_ray
+
+            launch_ray(
+                sys.argv[1:],
+                nproc=ranks,
+                address=address,
+                cpus_per_worker=section.cpus_per_worker,
+                gpus_per_worker=section.gpus_per_worker,
+                run_root=resolved.run.root,
+            )
+            return
         if ranks > 1:
             code = launch_local(ranks, sys.argv[1:])
             if code:
@@ -205,6 +254,7 @@ def rollout(
     allow_config_change: AllowChangeOpt = False,
     iteration: IterationOpt = None,
     nproc: NprocOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Sample groups of images with per-step log-probs -> RUN/iter-N/rollout/."""
     from flowgrpo_cli.runconfig import resolve_run
@@ -235,7 +285,7 @@ def rollout(
                 highlight=False,
             )
 
-    _run_ranks(resolved, nproc, body)
+    _run_ranks(resolved, nproc, body, ray_address)
 
 
 @app.command()
@@ -247,6 +297,7 @@ def score(
     allow_config_change: AllowChangeOpt = False,
     iteration: IterationOpt = None,
     nproc: NprocOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Score an iteration's images with the configured rewards -> RUN/iter-N/scores/."""
     from flowgrpo_cli.runconfig import resolve_run
@@ -265,7 +316,30 @@ def score(
         if _is_main():
             render_scores(console, result.manifest)
 
-    _run_ranks(resolved, nproc, body)
+    if _score_on_ray_pool(resolved, iteration, ray_address):
+        return
+    _run_ranks(resolved, nproc, body, ray_address)
+
+
+def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | None) -> bool:
+    """Score as Ray tasks apart from the ranks, when the Ray backend is on and
+    distributed.score_tasks > 0; False when that is not asked for."""
+    from flowgrpo_cli.distributed import is_rank_process
+    from flowgrpo_cli.ray_launch import ray_address_for, score_on_pool
+
+    address = ray_address_for(resolved.config, ray_address)
+    if address is None or resolved.config.distributed.score_tasks <= 0 or is_rank_process():
+        return False
+    from flowgrpo_cli.progress import RichProgress
+    from flowgrpo_cli.rundir import RunLock
+
+    with RunLock(resolved.run.root):
+        number = resolved.run.current_iteration() if iteration is None else iteration
+        result = score_on_pool(
+            resolved.config, resolved.run, number, address=address, progress=RichProgress()
+        )
+    render_scores(console, result.manifest)
+    return True
 
 
 @app.command()
@@ -277,6 +351,7 @@ def update(
     allow_config_change: AllowChangeOpt = False,
     iteration: IterationOpt = None,
     nproc: NprocOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Advantages + clipped policy-gradient step -> RUN/iter-N/update/ and a checkpoint."""
     from flowgrpo_cli.runconfig import resolve_run
@@ -298,7 +373,7 @@ def update(
         if _is_main():
             render_metrics(console, f"update iteration {number}", result.metrics)
 
-    _run_ranks(resolved, nproc, body)
+    _run_ranks(resolved, nproc, body, ray_address)
 
 
 @app.command()
@@ -312,6 +387,7 @@ def loop(
     set_: SetOpt = None,
     allow_config_change: AllowChangeOpt = False,
     nproc: NprocOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Rollout -> score -> update, iteration after iteration; a re-run resumes."""
     from flowgrpo_cli.runconfig import resolve_run
@@ -336,7 +412,7 @@ def loop(
             on_iteration=(lambda s: render_iteration(console, s)) if main else None,
         )
 
-    _run_ranks(resolved, nproc, body)
+    _run_ranks(resolved, nproc, body, ray_address)
 
 
 @app.command()

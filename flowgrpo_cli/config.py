@@ -252,6 +252,25 @@ class DistributedSection:
     cpus_per_worker: float = _option(
         1.0, "CPUs per Ray worker.", check=_positive, affects_results=False
     )
+    score_tasks: int = _option(
+        0,
+        "Ray: score rollout parts as up to this many Ray tasks apart from the ranks "
+        "(0 = the ranks score).",
+        check=_at_least(0),
+        affects_results=False,
+    )
+    score_cpus: float = _option(
+        1.0, "CPUs per Ray score task.", check=_at_least(0.0), affects_results=False
+    )
+    score_gpus: float = _option(
+        0.0, "GPUs per Ray score task.", check=_at_least(0.0), affects_results=False
+    )
+    score_resource: str = _option(
+        "",
+        "Custom Ray resource a score task takes one unit of (`ray start --resources`), to "
+        'keep scoring on chosen nodes; "" = none.',
+        affects_results=False,
+    )
 
 
 @dataclass

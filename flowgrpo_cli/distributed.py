@@ -3,8 +3,10 @@
 One process per device. `--nproc N` re-runs the same command under torch.distributed's own
 launcher (the elastic agent behind torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR for
 each child; the parent
-only waits. Ranks use gloo on CPU and NCCL on GPU. Nothing here schedules work: every rank
-runs the same code on its own slice.
+only waits. `--ray-address` runs the same command in Ray Train workers instead
+(ray_launch.py), where Ray Train has set those variables and initialised the process group.
+Ranks use gloo on CPU and NCCL on GPU. Nothing here schedules work: every rank runs the same
+code on its own slice.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# Set in each Ray Train worker (ray_launch.py): this process is a rank, even of a world of one.
+RAY_RANK_ENV = "FLOWGRPO_RAY_RANK"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ def dist_info() -> DistInfo:
 
 def is_rank_process() -> bool:
     """True inside a rank started by a launcher (torchrun or Ray), where no re-launch happens."""
+    if os.environ.get(RAY_RANK_ENV) == "1":
+        return True
     return "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
@@ -54,7 +61,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def init_process_group(device: torch.device) -> None:
-    """Join the process group of a multi-rank launch (no-op for a single process)."""
+    """Join the process group of a multi-rank launch (no-op for a single process, and under
+    Ray, whose Train workers start with the group initialised)."""
     if not is_rank_process() or torch.distributed.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"

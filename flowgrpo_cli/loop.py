@@ -20,6 +20,7 @@ from flowgrpo_cli.grid import GridItem, make_grid
 from flowgrpo_cli.metrics_log import TensorBoard, rebuild
 from flowgrpo_cli.policy import load_policy, load_weights
 from flowgrpo_cli.progress import NullProgress, Progress
+from flowgrpo_cli.ray_launch import pool_scorer_in_rank
 from flowgrpo_cli.rundir import RunDir, atomic_write_bytes, read_manifest
 from flowgrpo_cli.trainer import Trainer
 from flowgrpo_cli.trajectory import iter_batches, read_table
@@ -74,7 +75,8 @@ def run_loop(
         for iteration in range(start, iterations):
             started = time.perf_counter()
             rollout.run(config, run, iteration, engine, progress)
-            score.run(config, run, iteration, rewards, progress)
+            scorer = pool_scorer_in_rank(config, run, iteration)  # None: the ranks score
+            score.run(config, run, iteration, rewards, progress, parts_scorer=scorer)
             update.run(config, run, iteration, trainer, progress)
             if info.is_main:
                 write_iteration_grid(run, iteration)

@@ -5,13 +5,16 @@ Each score part has one row per image: `sample_id`, one float column per reward,
 and says why in `reward_error`; `reward.on_error` then drops the sample, its whole group (the
 score stage leaves `reward` empty for every dropped sample, and the update skips those), or
 stops the stage. Groups never span parts, so the policy is applied part by part, and a re-run
-after a crash scores only the parts still missing.
+after a crash scores only the parts still missing. A `parts_scorer` (ray_launch.py: a pool of
+Ray tasks apart from the training ranks) may score the missing parts instead of the ranks: it
+calls `score_part` for each, wherever it runs.
 """
 
 from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,8 @@ from flowgrpo_cli.trajectory import iter_batches, read_table, write_table
 
 STAGE = "scores"
 _READ_COLUMNS = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
+# Scores the named rollout parts (each with `score_part`) and returns the number of images.
+PartsScorer = Callable[[list[str], Progress], int]
 
 
 @dataclass(frozen=True)
@@ -68,12 +73,37 @@ def _score_table(scored, sample_ids: list[str]) -> pa.Table:
     return pa.table(columns)
 
 
+def score_part(
+    config: Config, run: RunDir, iteration: int, name: str, rewards, progress=None
+) -> int:
+    """Score rollout part `name` into the score part of the same name (written atomically);
+    returns its number of images."""
+    from flowgrpo_cli.rewards.commands import score_batches
+
+    progress = progress or NullProgress()
+    rollout_dir, stage_dir = run.stage_dir(iteration, "rollout"), run.stage_dir(iteration, STAGE)
+    sample_ids = read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
+    progress.start(f"score {name}", total=len(sample_ids))
+    scored = score_batches(
+        rewards, _reward_batches(rollout_dir / name, progress), config.reward.on_error
+    )
+    progress.finish()
+    write_table(stage_dir / name, _score_table(scored, sample_ids))
+    return len(sample_ids)
+
+
 def run(
-    config: Config, run: RunDir, iteration: int, rewards=None, progress: Progress | None = None
+    config: Config,
+    run: RunDir,
+    iteration: int,
+    rewards=None,
+    progress: Progress | None = None,
+    parts_scorer: PartsScorer | None = None,
 ) -> ScoreStageResult:
     """Score this rank's rollout parts. `rewards`: a RewardSet kept open by the caller (the
-    loop keeps OCR engines alive across iterations); built and closed here when None."""
-    from flowgrpo_cli.rewards.commands import build_rewards_from_config, score_batches
+    loop keeps OCR engines alive across iterations); built and closed here when None.
+    `parts_scorer`: rank 0 hands it every missing part instead (the other ranks wait)."""
+    from flowgrpo_cli.rewards.commands import build_rewards_from_config
 
     progress = progress or NullProgress()
     info = dist_info()
@@ -87,29 +117,25 @@ def run(
     if not broadcast_object(writer.begin() if info.is_main else None):
         return ScoreStageResult(read_manifest(stage_dir), {})
     parts = rollout["trajectory_parts"]
-    mine = [name for i, name in enumerate(parts) if i % info.world_size == info.rank]
-    own_rewards = rewards is None
-    if own_rewards:
-        rewards = build_rewards_from_config(config.reward)
+    if parts_scorer is not None:
+        mine = list(parts) if info.is_main else []
+    else:
+        mine = [name for i, name in enumerate(parts) if i % info.world_size == info.rank]
+    missing = [name for name in mine if not writer.has_part(name)]
     started = time.perf_counter()
     scored_images = 0
-    try:
-        for name in mine:
-            if writer.has_part(name):
-                continue
-            sample_ids = (
-                read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
-            )
-            progress.start(f"score {name}", total=len(sample_ids))
-            scored = score_batches(
-                rewards, _reward_batches(rollout_dir / name, progress), config.reward.on_error
-            )
-            progress.finish()
-            write_table(writer.part_path(name), _score_table(scored, sample_ids))
-            scored_images += len(sample_ids)
-    finally:
+    if parts_scorer is not None:
+        scored_images = parts_scorer(missing, progress) if missing else 0
+    elif missing:
+        own_rewards = rewards is None
         if own_rewards:
-            rewards.close()
+            rewards = build_rewards_from_config(config.reward)
+        try:
+            for name in missing:
+                scored_images += score_part(config, run, iteration, name, rewards, progress)
+        finally:
+            if own_rewards:
+                rewards.close()
     seconds = time.perf_counter() - started
     barrier()
     metrics = {
