@@ -39,8 +39,9 @@ demo: setup
     "$flowgrpo" report runs/tiny
 
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
-bench: setup
-    OMP_NUM_THREADS=1 {{python}} -m benchmarks --out benchmarks/results.md
+# Options pass through: `just bench --only rollout,update --reps 4`.
+bench *ARGS: setup
+    OMP_NUM_THREADS=1 {{python}} -m benchmarks {{ARGS}}
 
 # Lint, format check and the whole test suite.
 test: setup

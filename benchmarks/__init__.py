@@ -4,8 +4,10 @@ Each compares a flowgrpo stage with the least work that produces the same result
 in one process, on the built-in tiny SD3 model:
 
 1. rollout   the rollout stage vs the plain diffusers pipeline call making the same images
-             (and vs that call on the LoRA-wrapped transformer), with a breakdown of the parts
-2. update    the update stage vs the bare LoRA forward + backward of the same micro-batches
+             (and vs that call on the LoRA-wrapped transformer), with a breakdown of the parts;
+             PNG encoding of a 512x512 image at Pillow's default level vs level 1
+2. update    the update stage vs the bare LoRA forward + backward of the same micro-batches,
+             with a breakdown; the adapter off/on switch around each reference forward
 3. memory    the update's peak memory at 1x and 8x the samples per iteration, in fresh processes
 4. loop      `flowgrpo loop` vs the same stages run as separate commands, and each stage's share
 5. arrow     writing / reading a rollout part as Arrow vs copying / reading a plain file

@@ -1,6 +1,6 @@
 """`python -m benchmarks`: run every benchmark, print one table, write it as markdown.
 
-    python -m benchmarks                      # all six: 6-9 minutes on 2 busy cores
+    python -m benchmarks                      # all six: 4-7 minutes on 2 shared cores
     python -m benchmarks --only rollout,arrow --reps 5
     python -m benchmarks --quick              # 2 rounds per comparison, 1 OCR round
     python -m benchmarks --only loop --loop-iterations 2
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--reps",
         type=int,
         default=None,
-        help="timed A/B rounds per comparison (default 3, --quick 2)",
+        help="timed A/B rounds per comparison (default 6, --quick 2)",
     )
     parser.add_argument("--quick", action="store_true", help="2 timed rounds, 1 OCR round")
     parser.add_argument(
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="flowgrpo-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    reps = args.reps or (2 if args.quick else 3)
+    reps = args.reps or (2 if args.quick else 6)
     loop_iterations = args.loop_iterations or 1
     ctx = Context(workdir=workdir, reps=reps, quick=args.quick, loop_iterations=loop_iterations)
     report = Report()

@@ -128,20 +128,20 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "arrow, no fsync": Side(write_arrow_plain, reset=lambda: remove(plain_part)),
             "copy + fsync": Side(copy_fsync, reset=lambda: remove(copy)),
         },
-        reps=max(ctx.reps, 5),
+        reps=max(ctx.reps, 6),
     )
     if not part.exists():
         write_arrow()
     if not copy.exists():
         copy_file()
-    reads = alternate({"arrow": Side(read_arrow), "plain": Side(read_plain)}, reps=max(ctx.reps, 5))
+    reads = alternate({"arrow": Side(read_arrow), "plain": Side(read_plain)}, reps=max(ctx.reps, 6))
     shape = f"{ROWS} rows, latents [{STEPS + 1}, {', '.join(map(str, LATENT))}] float32"
     report.rows.append(
         Row(
             "5a. write a rollout part: Arrow vs file copy",
             fmt_s(writes.median("arrow")),
             fmt_s(writes.median("copy")),
-            fmt_ratio(writes.ratio("arrow", "copy")),
+            writes.ratio_text("arrow", "copy"),
             "-",
             "-",
             f"{fmt_mb(size)} part ({shape} + 300 kB PNG each), 2 record batches. Arrow "
@@ -149,7 +149,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             f"({fmt_ratio(writes.ratio('arrow, no fsync', 'copy'))} the copy); copy + fsync "
             f"{fmt_s(writes.median('copy + fsync'))} "
             f"({fmt_ratio(writes.ratio('copy + fsync', 'copy'))}); "
-            f"{max(ctx.reps, 5)} rounds",
+            f"{max(ctx.reps, 6)} rounds",
         )
     )
     report.rows.append(
@@ -157,11 +157,11 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "5b. read a rollout part: Arrow (mmap) vs plain read",
             fmt_s(reads.median("arrow")),
             fmt_s(reads.median("plain")),
-            fmt_ratio(reads.ratio("arrow", "plain")),
+            reads.ratio_text("arrow", "plain"),
             "-",
             "-",
             "both from the page cache: Arrow = open_part + every record batch + latents "
             "copied out (tensor_column) and summed; plain = the file read into memory and "
-            f"the same {fmt_mb(latent_bytes)} of float32 summed; {max(ctx.reps, 5)} rounds",
+            f"the same {fmt_mb(latent_bytes)} of float32 summed; {max(ctx.reps, 6)} rounds",
         )
     )

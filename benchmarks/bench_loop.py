@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import subprocess
 import time
 
@@ -43,15 +44,21 @@ def _overrides() -> list[str]:
     return [*out, "reward.weights={ocr = 1.0}", "reward.ocr_workers=1"]
 
 
-def _command(args: list[str]) -> tuple[float, str]:
-    start = time.perf_counter()
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _command(args: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds, stdout) of one `flowgrpo` subprocess."""
+    start, start_cpu = time.perf_counter(), _children_cpu()
     done = subprocess.run(
         [*flowgrpo_command(), *args], cwd=REPO, env=child_env(), capture_output=True, text=True
     )
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, _children_cpu() - start_cpu
     if done.returncode:
         raise RuntimeError(f"flowgrpo {' '.join(args)} failed:\n{done.stderr[-2000:]}")
-    return seconds, done.stdout
+    return seconds, cpu, done.stdout
 
 
 def _stage_seconds(run_dir, iteration: int) -> dict[str, float]:
@@ -67,15 +74,17 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     _, resident = make_run(ctx.workdir / "loop-resident", ctx.model(), *_overrides())
     _, separate = make_run(ctx.workdir / "loop-commands", ctx.model(), *_overrides())
 
-    loop_wall, stdout = _command(
+    loop_wall, loop_cpu, stdout = _command(
         ["loop", "--run", str(resident.root), "--iterations", str(iterations)]
     )
     loop_iterations = {int(n): float(s) for n, s in ITERATION_LINE.findall(stdout)}
     command_walls: list[dict[str, float]] = []
+    commands_cpu = 0.0
     for _ in range(iterations):
         walls = {}
         for command, _, _ in STAGES:
-            walls[command], _ = _command([command, "--run", str(separate.root)])
+            walls[command], cpu, _ = _command([command, "--run", str(separate.root)])
+            commands_cpu += cpu
         command_walls.append(walls)
 
     commands_total = sum(sum(w.values()) for w in command_walls)
@@ -93,7 +102,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             f"4. resident loop vs separate commands, {iterations} iteration(s)",
             fmt_s(loop_wall),
             fmt_s(commands_total),
-            fmt_ratio(loop_wall / commands_total),
+            f"{fmt_ratio(loop_wall / commands_total)} (CPU {fmt_ratio(loop_cpu / commands_cpu)})",
             "-",
             "-",
             f"A: one `flowgrpo loop` process ({fmt_s(startup)} of it start-up and model "

@@ -29,7 +29,7 @@ from benchmarks.common import (
     engine_for,
     fmt_ratio,
     fmt_s,
-    goal_check,
+    goal_both,
     largest_gaps,
     make_run,
     remove,
@@ -42,6 +42,7 @@ GOAL = 1.10
 ORDER = [
     "read prompts, build requests",
     "prompt encoding (CLIP x2 + T5)",
+    "prompt encoding: flowgrpo's glue",
     "initial noise",
     "sigmas (scheduler rebuilt per batch)",
     "conditioning cat per batch",
@@ -114,7 +115,6 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     shared.update(config=config, run=run_dir, policy=policy)
 
     images = len(requests)
-    ratio = timings.ratio("rollout", "pipeline")
     profiles = timings.profiles
     gap = ", ".join(
         f"{k} +{v:.2f} s" for k, v in largest_gaps(profiles["rollout"], profiles["pipeline"])
@@ -124,35 +124,36 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "1. rollout stage vs plain pipeline call",
             fmt_s(timings.median("rollout")),
             fmt_s(timings.median("pipeline")),
-            fmt_ratio(ratio),
+            timings.ratio_text("rollout", "pipeline"),
             f"<= {GOAL:.2f}x",
-            goal_check(ratio, GOAL),
+            goal_both(timings, "rollout", "pipeline", GOAL),
             f"{images} images 64x64, {sampler.num_steps} steps, CFG {sampler.guidance_scale}, "
             f"batch {sampler.batch_size}, T5 {config.model.max_sequence_length} tokens; "
             f"A {timings.spread('rollout')}, B {timings.spread('pipeline')} over {ctx.reps} "
             f"rounds. Largest gaps (medians): {gap}",
         )
     )
-    lora_ratio = timings.ratio("rollout", "pipeline+lora")
     lora_cost = timings.ratio("pipeline+lora", "pipeline")
     report.rows.append(
         Row(
             "1b. rollout stage vs pipeline on the LoRA transformer",
             fmt_s(timings.median("rollout")),
             fmt_s(timings.median("pipeline+lora")),
-            fmt_ratio(lora_ratio),
+            timings.ratio_text("rollout", "pipeline+lora"),
             "-",
             "-",
             "the stage's own overhead, LoRA excluded: the same pipeline call on the policy's "
             f"pipeline (rank {config.train.lora_rank} adapter, B = 0) takes "
-            f"{fmt_ratio(lora_cost)} the plain one's time",
+            f"{fmt_ratio(lora_cost)} the plain one's time "
+            f"(CPU {fmt_ratio(timings.cpu_ratio('pipeline+lora', 'pipeline'))})",
         )
     )
     header, rows = breakdown_rows(
+        timings,
         [
-            ("rollout stage", profiles["rollout"], timings.seconds["rollout"]),
-            ("pipeline", profiles["pipeline"], timings.seconds["pipeline"]),
-            ("pipeline, LoRA", profiles["pipeline+lora"], timings.seconds["pipeline+lora"]),
+            ("rollout stage", "rollout"),
+            ("pipeline", "pipeline"),
+            ("pipeline, LoRA", "pipeline+lora"),
         ],
         ORDER,
     )
@@ -169,7 +170,10 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "The rollout and the LoRA pipeline run the transformer with the adapter (B = 0); "
             "the plain pipeline runs it without. Prompt encoding runs once per prompt group "
             "on every side (the rollout's `engine.encode`, the pipeline's one call per prompt "
-            "with num_images_per_prompt=8).",
+            "with num_images_per_prompt=8). Work that is the same in the rollout and the LoRA "
+            "pipeline (transformer forward, VAE decode) often measures 5-15% slower inside the "
+            "stage, in CPU time too and with the same page-fault count: read differences of "
+            "that size between columns as this machine's noise floor, not as stage overhead.",
         )
     )
 
@@ -205,7 +209,7 @@ def _png(ctx: Context, report: Report) -> None:
             "1c. PNG encoding of a 512x512 image: rollout's to_png vs compress_level=1",
             f"{timings.median('to_png') / count * 1e3:.0f} ms/image",
             f"{timings.median('level 1') / count * 1e3:.0f} ms/image",
-            fmt_ratio(timings.ratio("to_png", "level 1")),
+            timings.ratio_text("to_png", "level 1"),
             "-",
             "-",
             "the rollout encodes every image on its sampling path (Pillow's default level "
@@ -239,8 +243,8 @@ def _profiled():
     for owner, name, label in (
         (rollout, "build_requests", "read prompts, build requests"),
         (StableDiffusion3Pipeline, "encode_prompt", "prompt encoding (CLIP x2 + T5)"),
-        (SD3Adapter, "encode_prompts", "prompt encoding (CLIP x2 + T5)"),
-        (engine_module.DiffusersEngine, "encode", "prompt encoding (CLIP x2 + T5)"),
+        (SD3Adapter, "encode_prompts", "prompt encoding: flowgrpo's glue"),
+        (engine_module.DiffusersEngine, "encode", "prompt encoding: flowgrpo's glue"),
         (SD3Adapter, "initial_latents", "initial noise"),
         (StableDiffusion3Pipeline, "prepare_latents", "initial noise"),
         (SD3Adapter, "sigmas", "sigmas (scheduler rebuilt per batch)"),

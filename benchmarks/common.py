@@ -1,9 +1,10 @@
 """What every benchmark shares: result rows, A/B timing, section timers, the tiny run.
 
 The benchmarks run on a shared machine whose load we do not control, so nothing here makes an
-absolute claim. Each comparison runs its two sides in the same process (or from the same
-parent) in alternation, A B B A A B ..., and reports the median of each side and the median of
-the per-pair ratios A_i / B_i: a pair runs back to back, so a load spike moves both sides of
+absolute claim. Each comparison runs its sides in the same process (or from the same parent)
+in alternation, A B B A A B ..., and reports the median of each side and the median of the
+per-round ratios A_i / B_i: a pair runs back to back, so a load spike moves both sides of it.
+Process CPU time is recorded next to wall time: time lost to other processes does not count in
 it. No number is asserted; the goal column says what we aim for and the table says whether the
 measurement met it.
 """
@@ -94,6 +95,15 @@ def goal_check(ratio: float, limit: float) -> str:
     return f"no (+{(ratio / limit - 1) * 100:.0f}% over)"
 
 
+def goal_both(timings: Timings, a: str, b: str, limit: float) -> str:
+    """The goal check on wall time, and on CPU time when that verdict differs."""
+    wall = goal_check(timings.ratio(a, b), limit)
+    cpu = goal_check(timings.cpu_ratio(a, b), limit)
+    if wall.split()[0] == cpu.split()[0]:
+        return wall
+    return f"{wall}; CPU time: {cpu}"
+
+
 def fmt_s(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds < 100 else f"{seconds:.0f} s"
 
@@ -120,21 +130,36 @@ class Side:
 
 @dataclass(frozen=True)
 class Timings:
-    seconds: dict[str, list[float]]  # per side, in run order
-    profiles: dict[str, list[SectionTimers]]  # per side, one per timed run (when profiled)
+    """Wall and process CPU seconds of every timed run, per side, in run order.
+
+    CPU time counts only the time this process ran, so another process taking the core from
+    it does not count; it leaves out waits too (fsync, other processes' work).
+    """
+
+    seconds: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+    profiles: dict[str, list[SectionTimers]]  # one per timed run, when profiled
 
     def median(self, name: str) -> float:
         return statistics.median(self.seconds[name])
 
     def ratio(self, a: str, b: str) -> float:
-        """Median of the per-round ratios a_i / b_i (the two ran back to back)."""
-        return statistics.median(
-            x / y for x, y in zip(self.seconds[a], self.seconds[b], strict=True)
-        )
+        """Median of the per-round wall-time ratios a_i / b_i (the two ran back to back)."""
+        return _paired_ratio(self.seconds[a], self.seconds[b])
+
+    def cpu_ratio(self, a: str, b: str) -> float:
+        return _paired_ratio(self.cpu[a], self.cpu[b])
+
+    def ratio_text(self, a: str, b: str) -> str:
+        return f"{fmt_ratio(self.ratio(a, b))} (CPU {fmt_ratio(self.cpu_ratio(a, b))})"
 
     def spread(self, name: str) -> str:
         values = self.seconds[name]
         return f"{min(values):.2f}-{max(values):.2f} s"
+
+
+def _paired_ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def alternate(
@@ -147,30 +172,34 @@ def alternate(
     reverses every round (A B, B A, A B ...) so a trend in the machine's load cancels out.
 
     With `profile` (a factory of patched SectionTimers), every timed run records its parts;
-    the patches cost about a microsecond per wrapped call (see `timer_overhead`).
+    the patches cost a few microseconds per wrapped call (see `timer_overhead`).
     """
     names = list(sides)
     for _ in range(warmup):
         for name in names:
             _timed(sides[name], None)
     seconds: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     profiles: dict[str, list[SectionTimers]] = {name: [] for name in names}
     for rep in range(reps):
         for name in names if rep % 2 == 0 else list(reversed(names)):
             timers = profile() if profile is not None else None
-            seconds[name].append(_timed(sides[name], timers))
+            wall, used = _timed(sides[name], timers)
+            seconds[name].append(wall)
+            cpu[name].append(used)
             if timers is not None:
                 profiles[name].append(timers)
-    return Timings(seconds, profiles)
+    return Timings(seconds, cpu, profiles)
 
 
-def _timed(side: Side, timers: SectionTimers | None) -> float:
+def _timed(side: Side, timers: SectionTimers | None) -> tuple[float, float]:
+    """(wall, process CPU) seconds of one call of the side."""
     if side.reset is not None:
         side.reset()
     try:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         side.run()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - start_cpu
     finally:
         if timers is not None:
             timers.close()
@@ -252,11 +281,14 @@ class SectionTimers:
 
 
 def breakdown_rows(
-    columns: list[tuple[str, list[SectionTimers], list[float]]], order: list[str]
+    timings: Timings, columns: list[tuple[str, str]], order: list[str]
 ) -> tuple[list[str], list[list[str]]]:
     """A sub-table: one row per label (in `order`, then any others), one column per side
-    (title, its profiled runs, their wall times): the median over the runs of each part's
-    exclusive seconds, its calls per run, and the rest of the median wall time as "other"."""
+    (title, side name): the median over the profiled runs of each part's exclusive wall
+    seconds, its calls per run, the rest of the median wall time as "other", and the median
+    process CPU time."""
+    cpu = [statistics.median(timings.cpu[name]) for _, name in columns]
+    columns = [(title, timings.profiles[name], timings.seconds[name]) for title, name in columns]
     seen = {label for _, runs, _ in columns for timers in runs for label in timers.seconds}
     labels = [label for label in order if label in seen] + sorted(seen - set(order))
     header = ["part", *[f"{title} (s, calls)" for title, _, _ in columns]]
@@ -277,6 +309,7 @@ def breakdown_rows(
         + [f"{wall - sum(m.values()):.3f}" for wall, m in zip(walls, medians, strict=True)]
     )
     rows.append(["**wall time (median)**"] + [f"**{wall:.3f}**" for wall in walls])
+    rows.append(["process CPU time (median)"] + [f"{value:.3f}" for value in cpu])
     return header, rows
 
 

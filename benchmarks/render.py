@@ -64,7 +64,10 @@ def markdown(report: Report, info: dict[str, str], chosen: list[str], reps: int)
         f"- Load: {info['load']} (a shared machine: compare ratios, not absolute times).",
         f"- Method: each comparison alternates its sides in the same process (A B, B A, ...), "
         f"{reps} timed rounds after one untimed warm-up round; A and B are medians, the "
-        "ratio is the median of the per-round ratios A_i / B_i. Nothing is asserted.",
+        "ratio is the median of the per-round ratios A_i / B_i; in parentheses the same "
+        "ratio of process CPU times (`time.process_time`; subprocesses: `RUSAGE_CHILDREN`), "
+        "which time lost to other processes does not inflate (nor fsync waits). Nothing is "
+        "asserted.",
         f"- Benchmarks run: {', '.join(chosen)}; total {info['duration']}.",
         "",
         _md_table(COLUMNS, [_cells(row) for row in report.rows]),
