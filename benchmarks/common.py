@@ -387,13 +387,9 @@ def make_run(root: Path, model: Path, *overrides: str):
 
 
 def engine_for(policy, config):
-    from flowgrpo_cli.engine import DiffusersEngine
+    from flowgrpo_cli.engine import build_engine
 
-    return DiffusersEngine(
-        policy,
-        max_sequence_length=config.model.max_sequence_length,
-        guidance_scale=config.sampler.guidance_scale,
-    )
+    return build_engine(config, policy)
 
 
 def remove(path: Path) -> None:

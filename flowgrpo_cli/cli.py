@@ -262,19 +262,15 @@ def rollout(
     resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
 
     def body() -> None:
-        from flowgrpo_cli.engine import engine_class
+        from flowgrpo_cli.engine import build_engine, engine_class
         from flowgrpo_cli.progress import NullProgress, RichProgress
         from flowgrpo_cli.stages import rollout as stage
 
         number = resolved.run.current_iteration() if iteration is None else iteration
         cfg = resolved.config
-        make_engine = engine_class(cfg.sampler.engine)  # fails fast on a missing engine
+        engine_class(cfg.sampler.engine)  # fails fast on a missing engine
         policy = _load_policy_for(resolved, number)
-        engine = make_engine(
-            policy,
-            max_sequence_length=cfg.model.max_sequence_length,
-            guidance_scale=cfg.sampler.guidance_scale,
-        )
+        engine = build_engine(cfg, policy)
         progress = RichProgress() if _is_main() else NullProgress()
         result = stage.run(cfg, resolved.run, number, engine, progress)
         if _is_main():

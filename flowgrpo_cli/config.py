@@ -148,6 +148,11 @@ class SamplerSection:
         check=_window_range,
     )
     engine: Literal["diffusers", "vllm-omni"] = _option("diffusers", "Rollout engine.")
+    merge_lora: bool = _option(
+        False,
+        "Rollout with the LoRA update merged into float32 base weights: faster, "
+        "log-probs off by float32 rounding (diffusers engine; not in a multi-process loop).",
+    )
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from flowgrpo_cli.config import Config
 from flowgrpo_cli.distributed import barrier, dist_info, init_process_group, resolve_device
-from flowgrpo_cli.engine import engine_class
+from flowgrpo_cli.engine import build_engine, engine_class
 from flowgrpo_cli.evaluation import evaluate
 from flowgrpo_cli.grid import GridItem, make_grid
 from flowgrpo_cli.metrics_log import TensorBoard, rebuild
@@ -55,17 +55,14 @@ def run_loop(
             prepare.run(config, run)
         barrier()
     start = run.current_iteration()
-    make_engine = engine_class(config.sampler.engine)  # fails fast on a missing engine
+    engine_class(config.sampler.engine)  # fails fast on a missing engine
     policy = load_policy(config, device)
     if start > 0:  # before sharding: the checkpoint holds full tensors
         load_weights(policy, run.checkpoint_dir(start - 1))
     trainer = Trainer(config, policy)
     if start > 0:
         trainer.load(run.checkpoint_dir(start - 1))
-    engine = make_engine(
-        policy, max_sequence_length=config.model.max_sequence_length,
-        guidance_scale=config.sampler.guidance_scale,
-    )  # fmt: skip
+    engine = build_engine(config, policy)
     board = TensorBoard(run) if info.is_main else None
     summaries = []
     with build_rewards_from_config(config.reward) as rewards:

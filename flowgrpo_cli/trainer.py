@@ -99,9 +99,8 @@ class Trainer:
     def reference_context(self):
         """Context in which the adapter's velocity is the reference's (LoRA disabled), or a
         module to call instead (full mode)."""
-        transformer = self.policy.transformer
         if self.policy.mode == "lora":
-            return _AdapterDisabled(transformer)
+            return self.policy.adapters_disabled()
         return _SwapTransformer(self.policy.adapter, self.reference)
 
     # -- optimizer step -----------------------------------------------------------------------
@@ -299,17 +298,6 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
         target.copy_(value)
     else:
         target.copy_(value.to(target.dtype))
-
-
-class _AdapterDisabled:
-    def __init__(self, transformer: torch.nn.Module):
-        self.transformer = transformer
-
-    def __enter__(self) -> None:
-        self.transformer.disable_adapters()
-
-    def __exit__(self, *exc: object) -> None:
-        self.transformer.enable_adapters()
 
 
 class _SwapTransformer:

@@ -109,9 +109,15 @@ class VllmOmniEngine:
         *,
         max_sequence_length: int,
         guidance_scale: float,
+        merge_lora: bool = False,
         omni_kwargs: dict[str, Any] | None = None,
     ):
         require_vllm_omni()
+        if merge_lora:
+            raise FlowGrpoError(
+                "sampler.merge_lora applies to sampler.engine = 'diffusers'; vllm-omni receives "
+                "the LoRA weights through its own LoRA path: leave merge_lora off"
+            )
         if policy.adapter.family != "qwenimage":
             raise FlowGrpoError(
                 f"sampler.engine = 'vllm-omni' samples Qwen-Image pipelines only; this model is "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from flowgrpo_cli.stages import rollout, score, update
 
-from flowgrpo_cli.engine import DiffusersEngine
+from flowgrpo_cli.engine import build_engine
 from flowgrpo_cli.policy import checkpoint_for, load_policy, load_weights
 from flowgrpo_cli.trainer import Trainer
 
@@ -19,11 +19,7 @@ def policy_for(config, run, iteration: int = 0):
 
 
 def engine_for(policy, config):
-    return DiffusersEngine(
-        policy,
-        max_sequence_length=config.model.max_sequence_length,
-        guidance_scale=config.sampler.guidance_scale,
-    )
+    return build_engine(config, policy)
 
 
 def do_rollout(config, run, iteration: int = 0, policy=None):

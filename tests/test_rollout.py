@@ -177,3 +177,47 @@ def test_one_and_two_processes_write_the_same_samples(make_run):
         assert (lat_a - lat_b).abs().max() < 1e-6
         assert (lp_a - lp_b).abs().max() < 1e-6
         assert img_a == img_b
+
+
+def _random_lora(policy, scale: float = 0.05) -> None:
+    """Give every LoRA weight a nonzero value, as after some updates (B starts at zero)."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in policy.trainable_parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
+def test_merged_lora_rollout_matches_the_unmerged_policy(make_run):
+    config, run = make_run("sampler.merge_lora=true")
+    policy = policy_for(config, run)
+    _random_lora(policy)
+    bases = [layer.get_base_layer() for layer in policy.lora_layers]
+    before = [base.weight for base in bases]
+    copies = [w.detach().clone() for w in before]
+    do_rollout(config, run, policy=policy)
+    # The base weights are the very tensors they were, bit for bit: no merge/unmerge drift.
+    assert all(base.weight is w for base, w in zip(bases, before, strict=True))
+    assert all(torch.equal(w, c) for w, c in zip(before, copies, strict=True))
+    assert all(not layer.disable_adapters for layer in policy.lora_layers)
+    # The unmerged policy (what the update runs) gives the stored log-probs up to rounding,
+    # and the LoRA mattered: the base model alone gives clearly different ones.
+    recomputed, rows = recompute_log_probs(policy, config, run)
+    gap = (recomputed - rows.log_probs).abs().max().item()
+    assert 0 < gap < 1e-5
+    with policy.adapters_disabled():
+        base_only, _ = recompute_log_probs(policy, config, run)
+    assert (base_only - rows.log_probs).abs().max().item() > 100 * gap
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (("model.dtype=bfloat16",), "needs model.dtype"),
+        (("train.mode=full",), "has none"),
+    ],
+)
+def test_merge_lora_refuses_what_it_cannot_merge(make_run, overrides, message):
+    config, run = make_run("sampler.merge_lora=true", *overrides)
+    policy = policy_for(config, run)
+    with pytest.raises(FlowGrpoError, match=message):
+        engine_for(policy, config)

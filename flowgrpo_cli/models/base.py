@@ -258,11 +258,14 @@ def to_pil(images: torch.Tensor) -> list[Image.Image]:
 
 
 def to_png(images: torch.Tensor) -> list[bytes]:
-    """Images float [B, 3, H, W] in [0, 1] -> PNG bytes, one per image."""
+    """Images float [B, 3, H, W] in [0, 1] -> PNG bytes, one per image.
+
+    zlib level 1, not Pillow's 6: 4x faster at 512x512 for about 19% more bytes (`just bench`),
+    and the rollout encodes every image on its sampling path."""
     out = []
     for image in to_pil(images):
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
+        image.save(buffer, format="PNG", compress_level=1)
         out.append(buffer.getvalue())
     return out
 
