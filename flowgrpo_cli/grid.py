@@ -27,19 +27,22 @@ def make_grid(items: list[GridItem], columns: int = 4) -> bytes:
         raise ValueError("make_grid needs at least one image")
     font = ImageFont.load_default(size=11)
     rows = (len(items) + columns - 1) // columns
+    images = [Image.open(io.BytesIO(item.png)).convert("RGB") for item in items]
+    # Every image at the cell width; rows as tall as the tallest (a 32x96 image is 64 px).
+    image_height = max(CELL * image.height // image.width for image in images)
     caption_height = CAPTION_LINES * LINE_HEIGHT + 6
-    cell_height = CELL + caption_height
+    cell_height = image_height + caption_height
     canvas = Image.new("RGB", (columns * CELL, rows * cell_height), "white")
     draw = ImageDraw.Draw(canvas)
-    for index, item in enumerate(items):
+    for index, (item, image) in enumerate(zip(items, images, strict=True)):
         x, y = (index % columns) * CELL, (index // columns) * cell_height
-        image = Image.open(io.BytesIO(item.png)).convert("RGB")
         canvas.paste(image.resize((CELL, CELL * image.height // image.width)), (x, y))
         reward = "-" if item.reward is None else f"{item.reward:.3f}"
         lines = [f"target: {item.target}", f"reward: {reward}"]
         lines += textwrap.wrap(item.prompt, width=34)[: CAPTION_LINES - len(lines)]
+        top = y + image_height + 3
         for n, line in enumerate(lines):
-            draw.text((x + 4, y + CELL + 3 + n * LINE_HEIGHT), line, fill="black", font=font)
+            draw.text((x + 4, top + n * LINE_HEIGHT), line, fill="black", font=font)
     out = io.BytesIO()
     canvas.save(out, format="PNG")
     return out.getvalue()

@@ -128,3 +128,25 @@ def test_loop_as_two_ranks(make_run):
     assert result.returncode == 0, result.stderr
     assert len(read_manifest(run.stage_dir(0, "rollout"))["trajectory_parts"]) == 2
     assert read_manifest(run.checkpoint_dir(0)) is not None
+
+
+def test_grid_rows_are_as_tall_as_their_scaled_images():
+    import io
+
+    from PIL import Image
+
+    from flowgrpo_cli.grid import CAPTION_LINES, CELL, LINE_HEIGHT, GridItem, make_grid
+
+    def png(width: int, height: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), "black").save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    caption = CAPTION_LINES * LINE_HEIGHT + 6
+    wide = [GridItem(png(96, 32), 'A sign that says "AB7"', "AB7", 0.5)] * 3
+    grid = Image.open(io.BytesIO(make_grid(wide, columns=2)))
+    # 96x32 shown 192 wide is 64 tall: two rows of 64 px + caption, no square cells.
+    assert grid.size == (2 * CELL, 2 * (64 + caption))
+    assert grid.getpixel((10, 10)) == (0, 0, 0) and grid.getpixel((10, 70)) == (255, 255, 255)
+    square = Image.open(io.BytesIO(make_grid([GridItem(png(64, 64), "p", "t", None)])))
+    assert square.size == (4 * CELL, CELL + caption)
