@@ -38,6 +38,29 @@ demo: setup
     "$flowgrpo" loop --config examples/tiny.toml --iterations 10
     "$flowgrpo" report runs/tiny
 
+# Flow-GRPO with the OCR reward on the committed 3.7M-parameter base (examples/toy_ocr/base),
+# held-out evaluation every 10 iterations, a report, then base and trained scored with and
+# without CFG. About 35 minutes on one core; not part of `test`.
+# The toy OCR experiment of the README's results section (about 35 minutes).
+toy-ocr iterations="70": setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    flowgrpo="{{venv}}/bin/flowgrpo"
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    "$flowgrpo" prepare --config examples/toy_ocr/rl.toml
+    "$flowgrpo" loop --config examples/toy_ocr/rl.toml --iterations {{iterations}}
+    "$flowgrpo" report runs/toy-ocr
+    last=$(printf 'runs/toy-ocr/checkpoints/iter-%06d' $(( {{iterations}} - 1 )))
+    for lora in "" "$last"; do
+        {{python}} examples/toy_ocr/evaluate.py examples/toy_ocr/base ${lora:+--lora "$lora"}
+    done
+
+# The run folder keeps every checkpoint and its held-out scores (1.5-2 hours on 2 cores).
+# Pre-train the toy OCR base from scratch and export it to examples/toy_ocr/base.
+toy-ocr-pretrain: setup
+    {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-pretrain --max-steps 3500 --minutes 1000 --threads 2
+    {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-pretrain/checkpoints/step-03500 examples/toy_ocr/base
+
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
 bench *ARGS: setup
