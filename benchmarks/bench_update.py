@@ -200,10 +200,8 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
 def _toggle(ctx: Context, report: Report, policy, update_timings) -> None:
     """2b: switching the LoRA adapter off and on around each reference forward (beta > 0),
     diffusers' way against toggling the peft layers directly (what the trainer does)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     transformer = policy.transformer
-    layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
+    layers = policy.lora_layers
     pairs = 50
 
     def diffusers_toggle() -> None:
@@ -213,10 +211,8 @@ def _toggle(ctx: Context, report: Report, policy, update_timings) -> None:
 
     def peft_toggle() -> None:
         for _ in range(pairs):
-            for layer in layers:
-                layer.enable_adapters(False)
-            for layer in layers:
-                layer.enable_adapters(True)
+            with policy.adapters_disabled():  # what the trainer's reference context does
+                pass
 
     timings = alternate(
         {"diffusers": Side(diffusers_toggle), "peft": Side(peft_toggle)}, reps=ctx.reps
