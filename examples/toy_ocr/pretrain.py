@@ -177,24 +177,9 @@ def to_tensor(images: Sequence[Image.Image]) -> torch.Tensor:
 # The pipeline: components built from configs, tokenizers from in-memory vocabularies
 
 
-def _clip_tokenizer():
-    from transformers import CLIPTokenizer
-
-    # bos 0, eos 1 (also the pad), then each printable ASCII character alone and as a word end.
-    pieces = ["<|startoftext|>", "<|endoftext|>"]
-    for code in range(ord("!"), ord("~") + 1):
-        pieces += [chr(code), chr(code) + "</w>"]
-    vocab = {piece: i for i, piece in enumerate(pieces)}
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=MAX_TOKENS)
-
-
-def _t5_tokenizer():
-    from transformers import T5Tokenizer
-
-    pieces = ["<pad>", "</s>", "<unk>", "▁"]
-    for code in range(ord("!"), ord("~") + 1):
-        pieces += [chr(code), "▁" + chr(code)]
-    return T5Tokenizer(vocab=[(piece, 0.0) for piece in pieces], extra_ids=0)
+# Character-level tokenizers, no merges: printable ASCII only for CLIP (95 characters, not the
+# tiny models' 256 byte characters), 32 tokens for both.
+_ASCII = [chr(code) for code in range(ord("!"), ord("~") + 1)]
 
 
 def build_pipeline(seed: int):
@@ -207,7 +192,10 @@ def build_pipeline(seed: int):
     )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    clip_tokenizer, t5_tokenizer = _clip_tokenizer(), _t5_tokenizer()
+    from flowgrpo_cli.models.tiny import char_clip_tokenizer, char_t5_tokenizer
+
+    clip_tokenizer = char_clip_tokenizer(_ASCII, MAX_TOKENS)
+    t5_tokenizer = char_t5_tokenizer()
     clip_config = CLIPTextConfig(
         vocab_size=len(clip_tokenizer),
         hidden_size=64,
@@ -269,7 +257,7 @@ def build_pipeline(seed: int):
         text_encoder=text_encoders[0],
         tokenizer=clip_tokenizer,
         text_encoder_2=text_encoders[1],
-        tokenizer_2=_clip_tokenizer(),
+        tokenizer_2=char_clip_tokenizer(_ASCII, MAX_TOKENS),
         text_encoder_3=t5,
         tokenizer_3=t5_tokenizer,
     )

@@ -70,18 +70,21 @@ def _byte_characters() -> list[str]:
     return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
 
 
-def _clip_tokenizer():
+def char_clip_tokenizer(characters: list[str] | None = None, max_length: int = 77):
+    """A CLIPTokenizer with one token per character (alone and as a word end), no merges;
+    `characters` defaults to the 256 byte characters, so any text tokenizes."""
     from transformers import CLIPTokenizer
 
-    # bos 0, eos 1 (also the pad), then every byte character alone and as a word end.
+    # bos 0, eos 1 (also the pad), then every character alone and as a word end.
     pieces = ["<|startoftext|>", "<|endoftext|>"]
-    for char in _byte_characters():
+    for char in characters or _byte_characters():
         pieces += [char, char + "</w>"]
     vocab = {piece: i for i, piece in enumerate(pieces)}
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
 
 
-def _t5_tokenizer():
+def char_t5_tokenizer():
+    """A T5Tokenizer with one piece per printable ASCII character (alone and word-initial)."""
     from transformers import T5Tokenizer
 
     pieces = ["<pad>", "</s>", "<unk>", "▁"]
@@ -183,11 +186,11 @@ def _build_sd3():
         scheduler=FlowMatchEulerDiscreteScheduler(**_SD3_SCHEDULER),
         vae=_autoencoder_kl(scaling_factor=1.5305, shift_factor=0.0609),
         text_encoder=CLIPTextModelWithProjection(_clip_config()),
-        tokenizer=_clip_tokenizer(),
+        tokenizer=char_clip_tokenizer(),
         text_encoder_2=CLIPTextModelWithProjection(_clip_config()),
-        tokenizer_2=_clip_tokenizer(),
+        tokenizer_2=char_clip_tokenizer(),
         text_encoder_3=_t5_encoder(),
-        tokenizer_3=_t5_tokenizer(),
+        tokenizer_3=char_t5_tokenizer(),
     )
 
 
@@ -214,9 +217,9 @@ def _build_flux(*, guidance_embeds: bool):
         scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
         vae=_autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159),
         text_encoder=CLIPTextModel(_clip_config()),
-        tokenizer=_clip_tokenizer(),
+        tokenizer=char_clip_tokenizer(),
         text_encoder_2=_t5_encoder(),
-        tokenizer_2=_t5_tokenizer(),
+        tokenizer_2=char_t5_tokenizer(),
     )
 
 
