@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from flowgrpo_cli.config import Config
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import Conditioning
@@ -72,6 +74,9 @@ class DiffusersEngine:
         self.merge_lora = merge_lora
         if merge_lora:
             policy.check_mergeable()
+        # (steps, height, width) -> sigmas: the adapter rebuilds a scheduler to answer, and
+        # the answer never changes for a loaded model.
+        self._sigmas: dict[tuple[int, int, int], torch.Tensor] = {}
 
     @property
     def version(self) -> str:
@@ -100,7 +105,10 @@ class DiffusersEngine:
     ) -> SampledBatch:
         adapter = self.policy.adapter
         cond = Conditioning.cat([conditioning[r.group_id] for r in requests]).to(self.policy.device)
-        sigmas = adapter.sigmas(settings.schedule.num_steps, settings.height, settings.width)
+        key = (settings.schedule.num_steps, settings.height, settings.width)
+        if key not in self._sigmas:
+            self._sigmas[key] = adapter.sigmas(*key)
+        sigmas = self._sigmas[key]
         weights = self.policy.lora_merged() if self.merge_lora else contextlib.nullcontext()
         with weights:
             return sample_batch(adapter, cond, [r.seed for r in requests], settings, sigmas)

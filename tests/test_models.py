@@ -119,6 +119,35 @@ def test_sd3_dynamic_shifting_follows_the_pipeline(tiny_adapter):
     assert not torch.equal(sigmas, tiny_adapter("sd3").sigmas(STEPS, HEIGHT, WIDTH))
 
 
+@pytest.mark.parametrize(("tiny", "guidance_scale"), GUIDED.items())
+def test_sampling_reads_device_and_dtypes_once(tiny, guidance_scale, tiny_adapter, monkeypatch):
+    """diffusers answers .dtype / .device by walking every submodule; after the adapter's
+    first answer, encoding, sampling and decoding never ask again."""
+    from diffusers import DiffusionPipeline, ModelMixin
+
+    adapter = tiny_adapter(tiny)
+    pipeline = adapter.pipeline
+    assert adapter.device == pipeline.device
+    assert adapter.transformer_dtype == pipeline.transformer.dtype
+    assert adapter.vae_dtype == pipeline.vae.dtype
+
+    def walked(self):
+        raise AssertionError("asked diffusers for a device or dtype again")
+
+    for owner, name in [
+        (ModelMixin, "dtype"),
+        (ModelMixin, "device"),
+        (DiffusionPipeline, "device"),
+        (DiffusionPipeline, "_execution_device"),
+    ]:
+        monkeypatch.setattr(owner, name, property(walked))
+    cond = adapter.encode_prompts(
+        PROMPTS, NEGATIVES, guidance_scale=guidance_scale, max_sequence_length=MAX_LENGTH[tiny]
+    )
+    with torch.no_grad():
+        assert euler_images(adapter, cond, guidance_scale).isfinite().all()
+
+
 @pytest.mark.parametrize(("tiny", "guidance_scale"), [*GUIDED.items(), ("qwenimage", 1.0)])
 def test_velocity_and_noise_do_not_depend_on_the_batch(tiny, guidance_scale, tiny_adapter):
     """One forward agrees across batch sizes to 1e-6 (CPU matmuls block differently by
@@ -147,7 +176,7 @@ def test_velocity_and_noise_do_not_depend_on_the_batch(tiny, guidance_scale, tin
 def test_bfloat16_loads_and_returns_float32(tiny, tiny_model_dir):
     adapter = load_adapter(tiny_model_dir(tiny), dtype=torch.bfloat16, device="cpu")
     assert adapter.family == tiny
-    assert adapter.transformer.dtype == torch.bfloat16
+    assert adapter.transformer.dtype == adapter.transformer_dtype == torch.bfloat16
     guidance_scale = GUIDED[tiny]
     cond = adapter.encode_prompts(
         PROMPTS, None, guidance_scale=guidance_scale, max_sequence_length=MAX_LENGTH[tiny]

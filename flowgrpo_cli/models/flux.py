@@ -28,6 +28,7 @@ from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
+    PipelinePlacement,
     check_image_size,
     draw_noise,
     negatives_for,
@@ -41,7 +42,7 @@ from flowgrpo_cli.models.base import (
 
 
 @dataclass(frozen=True)
-class FluxAdapter:
+class FluxAdapter(PipelinePlacement):
     pipeline: FluxPipeline
     family: ClassVar[str] = "flux"
 
@@ -80,13 +81,15 @@ class FluxAdapter:
         refuse_system_prompt(self.family, system_prompt)
         length = sequence_length_kwargs(max_sequence_length)
         # The text ids the pipeline returns are all zeros: velocity makes them from the length.
-        embeds, pooled, _ = self.pipeline.encode_prompt(prompt=prompts, prompt_2=None, **length)
+        embeds, pooled, _ = self.pipeline.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, **length
+        )
         # [B, L (512 by default), 4096 on FLUX.1] T5 tokens, [B, 768] pooled CLIP
         tensors = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
         if self._true_cfg(guidance_scale):
             negatives = negatives_for(prompts, negative_prompts)
             negative_embeds, negative_pooled, _ = self.pipeline.encode_prompt(
-                prompt=negatives, prompt_2=None, **length
+                prompt=negatives, prompt_2=None, device=self.device, **length
             )
             tensors["negative_prompt_embeds"] = negative_embeds
             tensors["negative_pooled_prompt_embeds"] = negative_pooled
@@ -96,7 +99,7 @@ class FluxAdapter:
         self, generators: list[torch.Generator], height: int, width: int
     ) -> torch.Tensor:
         # The pipeline draws [B, C, h, w] and packs it afterwards: the same numbers.
-        return draw_noise(generators, self.latent_shape(height, width), self.pipeline.device)
+        return draw_noise(generators, self.latent_shape(height, width), self.device)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         config = self.pipeline.scheduler.config
@@ -120,7 +123,7 @@ class FluxAdapter:
         guidance_scale: float,
     ) -> torch.Tensor:
         true_cfg = self._true_cfg(guidance_scale) and uses_cfg(cond, guidance_scale, self.family)
-        dtype, device = self.transformer.dtype, latents.device
+        dtype, device = self.transformer_dtype, latents.device
         b, _, h, w = latents.shape
         tokens = pack_latents(latents.to(dtype))  # [B, (h/2)(w/2), 4C]
         # The pipeline casts t = sigma * 1000 to the latents' dtype, then divides by 1000.
@@ -154,7 +157,7 @@ class FluxAdapter:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
         scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(scaled.to(vae.device, vae.dtype), return_dict=False)[0]
+        image = vae.decode(scaled.to(self.device, self.vae_dtype), return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(image.float(), output_type="pt")
 
 

@@ -28,6 +28,7 @@ from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
+    PipelinePlacement,
     check_image_size,
     draw_noise,
     negatives_for,
@@ -40,7 +41,7 @@ from flowgrpo_cli.models.base import (
 
 
 @dataclass(frozen=True)
-class QwenImageAdapter:
+class QwenImageAdapter(PipelinePlacement):
     pipeline: QwenImagePipeline
     family: ClassVar[str] = "qwenimage"
 
@@ -81,7 +82,7 @@ class QwenImageAdapter:
         self, name: str, prompts: list[str], max_sequence_length: int | None
     ) -> dict[str, torch.Tensor]:
         embeds, mask = self.pipeline.encode_prompt(
-            prompt=prompts, **sequence_length_kwargs(max_sequence_length)
+            prompt=prompts, device=self.device, **sequence_length_kwargs(max_sequence_length)
         )
         # embeds [B, L, D], L the longest prompt's token count. The pipeline returns no mask
         # when no prompt is padded; keep one anyway so conditionings of separate batches can
@@ -120,7 +121,7 @@ class QwenImageAdapter:
         self, generators: list[torch.Generator], height: int, width: int
     ) -> torch.Tensor:
         # The pipeline draws [B, 1 frame, C, h, w] and packs it: the same numbers as [B, C, h, w].
-        return draw_noise(generators, self.latent_shape(height, width), self.pipeline.device)
+        return draw_noise(generators, self.latent_shape(height, width), self.device)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         config = self.pipeline.scheduler.config
@@ -144,7 +145,7 @@ class QwenImageAdapter:
         guidance_scale: float,
     ) -> torch.Tensor:
         cfg = uses_cfg(cond, guidance_scale, self.family)
-        dtype, device = self.transformer.dtype, latents.device
+        dtype, device = self.transformer_dtype, latents.device
         b, _, h, w = latents.shape
         tokens = pack_latents(latents.to(dtype))  # [B, (h/2)(w/2), 4C]
         # The pipeline casts t = sigma * 1000 to the latents' dtype, then divides by 1000.
@@ -174,7 +175,7 @@ class QwenImageAdapter:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
-        frames = latents.unsqueeze(2).to(vae.device, vae.dtype)  # [B, C, 1 frame, h, w]
+        frames = latents.unsqueeze(2).to(self.device, self.vae_dtype)  # [B, C, 1 frame, h, w]
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(frames.device, frames.dtype)
         # Divide by the reciprocal of the std, as the pipeline does, to match it bit for bit.

@@ -20,6 +20,7 @@ from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
+    PipelinePlacement,
     check_image_size,
     draw_noise,
     negatives_for,
@@ -31,7 +32,7 @@ from flowgrpo_cli.models.base import (
 
 
 @dataclass(frozen=True)
-class SD3Adapter:
+class SD3Adapter(PipelinePlacement):
     pipeline: StableDiffusion3Pipeline
     family: ClassVar[str] = "sd3"
 
@@ -64,6 +65,7 @@ class SD3Adapter:
             prompt=prompts,
             prompt_2=None,
             prompt_3=None,
+            device=self.device,
             do_classifier_free_guidance=cfg,
             negative_prompt=negatives_for(prompts, negative_prompts) if cfg else None,
             **sequence_length_kwargs(max_sequence_length),
@@ -78,7 +80,7 @@ class SD3Adapter:
     def initial_latents(
         self, generators: list[torch.Generator], height: int, width: int
     ) -> torch.Tensor:
-        return draw_noise(generators, self.latent_shape(height, width), self.pipeline.device)
+        return draw_noise(generators, self.latent_shape(height, width), self.device)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         config = self.pipeline.scheduler.config
@@ -104,7 +106,7 @@ class SD3Adapter:
         guidance_scale: float,
     ) -> torch.Tensor:
         cfg = uses_cfg(cond, guidance_scale, self.family)
-        dtype, device = self.transformer.dtype, latents.device
+        dtype, device = self.transformer_dtype, latents.device
         hidden = latents.to(dtype)  # [B, C, h, w]
         # The pipeline's timestep is the scheduler's t = sigma * num_train_timesteps, in float32.
         num_train_timesteps = self.pipeline.scheduler.config.num_train_timesteps
@@ -134,5 +136,5 @@ class SD3Adapter:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipeline.vae
         scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(scaled.to(vae.device, vae.dtype), return_dict=False)[0]
+        image = vae.decode(scaled.to(self.device, self.vae_dtype), return_dict=False)[0]
         return self.pipeline.image_processor.postprocess(image.float(), output_type="pt")
