@@ -142,6 +142,43 @@ def test_pretrain_export_then_render_through_the_adapter(pretrained, tmp_path, m
     assert torch.allclose(image, reference, atol=1e-4)
 
 
+def test_pretrain_init_from_continues_an_exported_pipeline(pretrained, tmp_path, monkeypatch):
+    from diffusers import StableDiffusion3Pipeline
+
+    pretrain = _import("pretrain", monkeypatch)
+    source = pretrained / "model"
+    out = tmp_path / "continued"
+
+    def run(init_from: Path, *more: str) -> None:
+        pretrain.main(
+            [
+                *("--out", str(out), "--init-from", str(init_from), "--threads", "1"),
+                *("--num-train", "16", "--batch-size", "8", "--eval-every", "0"),
+                *("--eval-prompts", "1", *more),
+            ]
+        )
+
+    run(source, "--max-steps", "1")
+    before = StableDiffusion3Pipeline.from_pretrained(source)
+    after = StableDiffusion3Pipeline.from_pretrained(out / "model")
+    # The VAE and the scale its latents were trained at are kept, not re-trained or re-fitted.
+    for key in ("scaling_factor", "shift_factor"):
+        assert after.vae.config[key] == before.vae.config[key]
+    for name, value in before.vae.state_dict().items():
+        assert torch.equal(after.vae.state_dict()[name], value), name
+    # The transformer starts from the source's weights: one step (EMA) moves it only slightly.
+    moved = [
+        (after.transformer.state_dict()[name] - value).abs().max().item()
+        for name, value in before.transformer.state_dict().items()
+    ]
+    assert 0 < max(moved) < 0.05
+    # Resuming with another --init-from is refused, as any other results-changing option.
+    with pytest.raises(SystemExit, match="--init-from"):
+        run(out / "model", "--max-steps", "2", "--resume")
+    with pytest.raises(SystemExit, match="not a pipeline folder"):
+        pretrain.main(["--out", str(tmp_path / "x"), "--init-from", str(tmp_path)])
+
+
 @pytest.mark.parametrize("text", ["WWWW", "MMM", "7JT2"])
 def test_render_never_crops_a_glyph(monkeypatch, text):
     import random

@@ -20,6 +20,10 @@ Run (about 5.5 min of VAE, 1.5 min of encoding, then --minutes of transformer tr
 free cores; measured numbers in examples/toy_ocr/base/PRETRAINING.md):
     nice -n 19 python examples/toy_ocr/pretrain.py --out runs/toy-ocr-pretrain --minutes 45
 
+--init-from FOLDER continues from an exported pipeline instead (the committed base, say): its
+VAE and latent scaling are kept as they are, the transformer and text encoders train on with a
+fresh optimizer and warm-up, and the EMA starts from the loaded weights.
+
 Writes into --out: checkpoints/step-NNNNN/ (a diffusers pipeline folder with pretraining.json,
 the evaluation and options that made it), model/ (the last one), eval.jsonl (one line per
 evaluation). Load any of them with flowgrpo_cli.models.load_adapter or
@@ -80,6 +84,7 @@ class Options:
     ema_decay: float = 0.998
     threads: int = 0
     resume: bool = False
+    init_from: Path | None = None
 
 
 # Options that change what is trained; a resumed run must keep them.
@@ -93,6 +98,7 @@ RESULT_OPTIONS = (
     "lr",
     "warmup_steps",
     "ema_decay",
+    "init_from",
 )
 
 
@@ -121,6 +127,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--vae-batch-size", type=int, default=32, help="VAE batch size.")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = default.")
     parser.add_argument(
+        "--init-from",
+        type=Path,
+        help="Continue pre-training an exported pipeline folder (the committed base): its VAE "
+        "and scaling factors are kept (no VAE training), the transformer and text encoders "
+        "train on with a fresh optimizer and warm-up.",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="Continue the run in --out from its last checkpoint (raise --minutes or "
@@ -140,6 +153,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         vae_batch_size=args.vae_batch_size,
         threads=args.threads,
         resume=args.resume,
+        init_from=args.init_from,
     )
 
 
@@ -343,6 +357,8 @@ class Pretrainer:
             raise ValueError(f"--num-train {options.num_train} < --batch-size")
         if not 0 < options.eval_prompts <= 100:
             raise ValueError("--eval-prompts must be in 1..100 (the held-out set)")
+        if options.init_from and not (options.init_from / "model_index.json").is_file():
+            raise SystemExit(f"--init-from {options.init_from}: not a pipeline folder")
         self.options = options
         self.out = options.out
         self.rng = random.Random(options.seed)  # renders, templates, blank prompts
@@ -370,17 +386,19 @@ class Pretrainer:
         if not saved:
             return  # nothing to resume: start from the beginning
         stored = torch.load(saved[0], weights_only=True)["options"]
+        now = self._result_options()
         changed = [
-            f"--{name.replace('_', '-')}: {stored[name]} in the run, {getattr(options, name)} now"
+            f"--{name.replace('_', '-')}: {stored.get(name)} in the run, {now[name]} now"
             for name in RESULT_OPTIONS
-            if stored[name] != getattr(options, name)
+            if stored.get(name) != now[name]
         ]
         if changed:
             listed = "\n  ".join(changed)
             raise SystemExit(f"{self.out} was trained with other options:\n  {listed}")
 
-    def _result_options(self) -> dict[str, float | int]:
-        return {name: getattr(self.options, name) for name in RESULT_OPTIONS}
+    def _result_options(self) -> dict[str, float | int | str | None]:
+        values = {name: getattr(self.options, name) for name in RESULT_OPTIONS}
+        return {k: str(v) if isinstance(v, Path) else v for k, v in values.items()}
 
     def log(self, message: str) -> None:
         elapsed = (time.monotonic() - self.start) / 60
@@ -395,7 +413,15 @@ class Pretrainer:
         if self.options.threads:
             torch.set_num_threads(self.options.threads)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.pipeline = build_pipeline(self.options.seed)
+        if self.options.init_from:
+            from diffusers import StableDiffusion3Pipeline
+
+            self.pipeline = StableDiffusion3Pipeline.from_pretrained(
+                self.options.init_from, dtype=torch.float32
+            )
+            self.log(f"continuing the pre-training of {self.options.init_from}")
+        else:
+            self.pipeline = build_pipeline(self.options.seed)
         self.pipeline.set_progress_bar_config(disable=True)
         check_prompt_lengths(self.pipeline)
         counts = {
@@ -454,9 +480,14 @@ class Pretrainer:
             self.generator.set_state(prepared["generator"])
             self.log(f"loaded the VAE and {len(self.latents)} latents from {self.prepared_path}")
             return
-        self.train_vae()
-        self.encode_latents()
         vae = self.pipeline.vae
+        if self.options.init_from:  # trained already: keep it and the factors it was scaled with
+            vae.requires_grad_(False)
+            vae.eval()
+            self._check_vae()
+        else:
+            self.train_vae()
+        self.encode_latents(set_factors=not self.options.init_from)
         _atomic_save(
             {
                 "options": self._result_options(),
@@ -471,8 +502,9 @@ class Pretrainer:
         )
 
     @torch.no_grad()
-    def encode_latents(self) -> None:
-        """Scaled latents [N, 4, 8, 24] of one render per pre-training target."""
+    def encode_latents(self, *, set_factors: bool) -> None:
+        """Scaled latents [N, 4, 8, 24] of one render per pre-training target; set_factors
+        first sets the VAE's scaling and shift factors from their statistics."""
         vae = self.pipeline.vae
         means = []
         for start in range(0, len(self.train_targets), 256):
@@ -480,9 +512,11 @@ class Pretrainer:
             x = to_tensor([render(text, self.rng) for text in texts])
             means.append(vae.encode(x).latent_dist.mode())
         latents = torch.cat(means)
-        shift = latents.mean().item()
-        scale = 1.0 / (latents - shift).std().item()
-        vae.register_to_config(scaling_factor=scale, shift_factor=shift)
+        if set_factors:
+            shift = latents.mean().item()
+            scale = 1.0 / (latents - shift).std().item()
+            vae.register_to_config(scaling_factor=scale, shift_factor=shift)
+        scale, shift = vae.config.scaling_factor, vae.config.shift_factor
         self.latents = (latents - shift) * scale
         self.log(f"encoded {len(latents)} latents: scaling_factor {scale:.4f}, shift {shift:.4f}")
 
