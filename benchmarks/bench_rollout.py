@@ -53,10 +53,11 @@ ORDER = [
     "ODE / scheduler Euler step",
     "VAE decode",
     "image postprocess (to tensor / PIL)",
-    "PNG encoding",
-    "trajectory rows (tensor gathering)",
-    "Arrow record batch (to_record_batch)",
+    "PNG encoding (writer thread)",
+    "trajectory rows (tensor gathering) (writer thread)",
+    "Arrow record batch (to_record_batch) (writer thread)",
     "trajectory part write (+ fsync, rename)",
+    "trajectory part write (+ fsync, rename) (writer thread)",
     "conditioning table (.npy cells)",
     "conditioning part write (+ fsync, rename)",
     "stage folder, manifest (sha256 of parts), metrics.json",
@@ -195,7 +196,9 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "The rollout and the LoRA pipeline run the transformer with the adapter (B = 0); "
             "the plain pipeline runs it without. Prompt encoding runs once per prompt group "
             "on every side (the rollout's `engine.encode`, the pipeline's one call per prompt "
-            "with num_images_per_prompt=8). Work that is the same in the rollout and the LoRA "
+            "with num_images_per_prompt=8). Parts marked (writer thread) run on the stage's "
+            "writer thread while the next batch samples: their time overlaps the main "
+            "thread's and is not in its sum. Work that is the same in the rollout and the LoRA "
             "pipeline (transformer forward, VAE decode) often measures 5-15% slower inside the "
             "stage, in CPU time too and with the same page-fault count: read differences of "
             "that size between columns as this machine's noise floor, not as stage overhead.",

@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -216,14 +217,26 @@ class SectionTimers:
     """Wraps functions so each call adds its own time, minus that of wrapped calls inside it,
     to its label: the labels of one run then add up to the covered part of its wall time.
 
+    Calls on other threads than the main one are kept apart, under "LABEL (writer thread)",
+    and listed in `background`: their time overlaps the main thread's, so it is not part of
+    the wall time the main thread's labels add up to.
+
     Used for a separate profiled run only; the timed A/B runs are never patched.
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self._children: list[float] = []  # time of wrapped calls inside each open call
+        self.background: set[str] = set()
+        self._local = threading.local()  # per thread: time of wrapped calls inside open calls
+        self._lock = threading.Lock()
         self._stack = contextlib.ExitStack()
+
+    @property
+    def _children(self) -> list[float]:
+        if not hasattr(self._local, "children"):
+            self._local.children = []
+        return self._local.children
 
     def wrap(self, fn: Callable[..., Any], label: Label) -> Callable[..., Any]:
         """`fn`, timed under `label` (a string, or a function of fn's arguments)."""
@@ -238,8 +251,12 @@ class SectionTimers:
                 elapsed = time.perf_counter() - start
                 inner = self._children.pop()
                 name = label(*args, **kwargs) if callable(label) else label
-                self.seconds[name] += elapsed - inner
-                self.calls[name] += 1
+                if threading.current_thread() is not threading.main_thread():
+                    name = f"{name} (writer thread)"
+                    self.background.add(name)
+                with self._lock:
+                    self.seconds[name] += elapsed - inner
+                    self.calls[name] += 1
                 if self._children:
                     self._children[-1] += elapsed
 
@@ -304,9 +321,13 @@ def breakdown_rows(
             cells.append(f"{median[label]:.3f} ({calls}x)" if calls else "-")
         rows.append([label, *cells])
     walls = [statistics.median(w) for _, _, w in columns]
+    background = {label for _, runs, _ in columns for timers in runs for label in timers.background}
     rows.append(
         ["other (untimed code)"]
-        + [f"{wall - sum(m.values()):.3f}" for wall, m in zip(walls, medians, strict=True)]
+        + [
+            f"{wall - sum(v for k, v in m.items() if k not in background):.3f}"
+            for wall, m in zip(walls, medians, strict=True)
+        ]
     )
     rows.append(["**wall time (median)**"] + [f"**{wall:.3f}**" for wall in walls])
     rows.append(["process CPU time (median)"] + [f"{value:.3f}" for value in cpu])
@@ -316,8 +337,11 @@ def breakdown_rows(
 def largest_gaps(
     a: list[SectionTimers], b: list[SectionTimers], count: int = 3
 ) -> list[tuple[str, float]]:
-    """The `count` parts whose median exclusive time exceeds B's the most, A - B seconds."""
-    labels = {label for t in [*a, *b] for label in t.seconds}
+    """The `count` parts whose median exclusive time exceeds B's the most, A - B seconds
+    (main-thread parts only: a writer thread's time overlaps them)."""
+    labels = {label for t in [*a, *b] for label in t.seconds} - {
+        label for t in [*a, *b] for label in t.background
+    }
 
     def median(runs: list[SectionTimers], label: str) -> float:
         return statistics.median(t.seconds.get(label, 0.0) for t in runs)

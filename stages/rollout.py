@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
 from typing import Any
 
 from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
@@ -27,7 +28,7 @@ from flowgrpo_cli.rundir import (
     read_manifest,
     require_manifest,
 )
-from flowgrpo_cli.sampling import SamplerSettings
+from flowgrpo_cli.sampling import SampledBatch, SamplerSettings
 from flowgrpo_cli.schedule import StepSchedule, build_step_schedule
 from flowgrpo_cli.seeding import derive_seed
 from flowgrpo_cli.trajectory import (
@@ -138,8 +139,6 @@ def run(
     progress: Progress | None = None,
 ) -> RolloutResult:
     """Write this rank's parts of iteration `iteration`'s rollout (skipping finished ones)."""
-    from flowgrpo_cli.models import to_png
-
     progress = progress or NullProgress()
     info = dist_info()
     stage_dir = run.stage_dir(iteration, STAGE)
@@ -166,12 +165,24 @@ def run(
     if not (writer.has_part(part) and writer.has_part(conditioning_part)):
         conditioning = engine.encode(requests)
         progress.start(f"rollout iter {iteration}", total=len(requests))
-        with ArrowPartWriter(writer.part_path(part)) as out:
+        # Batch k's PNG encoding and part write run on a second thread while batch k + 1
+        # samples: CPU work that an accelerator (or a second core) would otherwise wait for.
+        # One batch in flight bounds the memory; an error on either thread ends the stage, and
+        # the `with` waits for the writer before the part is closed or discarded.
+        with (
+            ArrowPartWriter(writer.part_path(part)) as out,
+            ThreadPoolExecutor(1, thread_name_prefix="rollout-writer") as writer_thread,
+        ):
+            pending: Future | None = None
             for chunk in batches(requests, config.sampler.batch_size):
-                sampled = engine.sample(chunk, conditioning, settings)
-                out.write(to_record_batch(_rows(chunk, sampled, settings, to_png)))
+                sampled = _on_cpu(engine.sample(chunk, conditioning, settings))
+                if pending is not None:
+                    pending.result()
+                pending = writer_thread.submit(_write_batch, out, chunk, sampled, settings)
                 produced += len(chunk)
                 progress.advance(len(chunk))
+            if pending is not None:
+                pending.result()
         write_table(writer.part_path(conditioning_part), _conditioning_table(conditioning))
         progress.finish()
     seconds = time.perf_counter() - started
@@ -217,8 +228,28 @@ def run(
     return RolloutResult(manifest, metrics)
 
 
-def _rows(chunk: list[SampleRequest], sampled, settings: SamplerSettings, to_png) -> TrajectoryRows:
+def _on_cpu(sampled: SampledBatch) -> SampledBatch:
+    """The batch with its tensors on the CPU, copied on the sampling thread (so a GPU copy
+    keeps its place in that thread's stream order)."""
+    return SampledBatch(**{f.name: getattr(sampled, f.name).cpu() for f in fields(sampled)})
+
+
+def _write_batch(
+    out: ArrowPartWriter,
+    chunk: list[SampleRequest],
+    sampled: SampledBatch,
+    settings: SamplerSettings,
+) -> None:
+    """PNG-encode a sampled batch and append its rows to the part (on the writer thread)."""
+    out.write(to_record_batch(_rows(chunk, sampled, settings)))
+
+
+def _rows(
+    chunk: list[SampleRequest], sampled: SampledBatch, settings: SamplerSettings
+) -> TrajectoryRows:
     import torch
+
+    from flowgrpo_cli.models import to_png
 
     schedule = settings.schedule
     steps = sampled.log_probs.shape[1]
@@ -236,8 +267,8 @@ def _rows(chunk: list[SampleRequest], sampled, settings: SamplerSettings, to_png
         timesteps=sampled.timesteps,
         timesteps_next=sampled.timesteps_next,
         trained=trained,
-        log_probs=sampled.log_probs.cpu(),
-        latents=sampled.latents.cpu(),
+        log_probs=sampled.log_probs,
+        latents=sampled.latents,
         images=to_png(sampled.images),
     )
 

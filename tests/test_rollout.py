@@ -112,6 +112,37 @@ def test_interrupted_rollout_finishes_only_the_missing_part(make_run, monkeypatc
     assert read_manifest(run.stage_dir(0, "rollout")) is not None
 
 
+@pytest.mark.parametrize("thread", ["writer", "sampler"])
+def test_an_error_on_either_thread_leaves_no_part(make_run, monkeypatch, thread):
+    """PNG encoding and writing run on a second thread, one batch behind the sampling: an
+    error on either ends the stage with that error, and no partial part is left behind."""
+    config, run = make_run("sampler.batch_size=1")
+    policy = policy_for(config, run)
+    engine = engine_for(policy, config)
+    calls = {"sample": 0}
+    real_sample = engine.sample
+
+    def sample(*args, **kwargs):
+        calls["sample"] += 1
+        if thread == "sampler" and calls["sample"] == 3:  # batches 1-2 written or in flight
+            raise RuntimeError("sampling failed")
+        return real_sample(*args, **kwargs)
+
+    def write(*args, **kwargs):
+        raise RuntimeError("encoding failed")
+
+    monkeypatch.setattr(engine, "sample", sample)
+    if thread == "writer":
+        monkeypatch.setattr(rollout, "to_record_batch", write)
+    with pytest.raises(RuntimeError, match="encoding" if thread == "writer" else "sampling"):
+        rollout.run(config, run, 0, engine)
+    folder = run.stage_dir(0, "rollout")
+    assert not list(folder.glob("part-*")) and read_manifest(folder) is None
+    monkeypatch.undo()
+    do_rollout(config, run, policy=policy)
+    assert rows_of(run)[1]["counts"]["images"] == 4
+
+
 def test_groups_split_evenly_over_ranks_or_refused():
     assert rollout.rank_groups(4, DistInfo(1, 2, 1)) == [1, 3]
     with pytest.raises(FlowGrpoError, match="cannot be split evenly over 2 ranks"):
