@@ -172,7 +172,14 @@ class Trainer:
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         transformer = self.policy.transformer
-        model_state = get_model_state_dict(transformer, options=options)
+        # Trainable weights only: frozen ones are dropped before the gather and the CPU copy,
+        # so saving a LoRA no longer all-gathers and copies the whole base model (GBs).
+        model_state = get_model_state_dict(
+            transformer,
+            options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
+            ),
+        )
         optimizer_state = get_optimizer_state_dict(transformer, self.optimizer, options=options)
         ema = {n: _full(t).cpu() for n, t in self.ema.items()} if self.ema else None
         if not dist_info().is_main:
