@@ -17,7 +17,7 @@ as a checkpoint, so a run stopped at any time leaves usable models. --minutes co
 time only (evaluation and saving excluded), so the budget means the same on a busy machine.
 
 Run (about 5.5 min of VAE, 1.5 min of encoding, then --minutes of transformer training on 2
-free cores; measured numbers in examples/toy_ocr/base/PRETRAINING.md):
+free cores; measured numbers in examples/toy_ocr/PRETRAINING.md):
     nice -n 19 python examples/toy_ocr/pretrain.py --out runs/toy-ocr-pretrain --minutes 45
 
 --init-from FOLDER continues from an exported pipeline instead (the committed base, say): its
