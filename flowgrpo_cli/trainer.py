@@ -17,7 +17,7 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,10 +175,7 @@ class Trainer:
         # Trainable weights only: frozen ones are dropped before the gather and the CPU copy,
         # so saving a LoRA no longer all-gathers and copies the whole base model (GBs).
         model_state = get_model_state_dict(
-            transformer,
-            options=StateDictOptions(
-                full_state_dict=True, cpu_offload=True, ignore_frozen_params=True
-            ),
+            transformer, options=replace(options, ignore_frozen_params=True)
         )
         optimizer_state = get_optimizer_state_dict(transformer, self.optimizer, options=options)
         ema = {n: _full(t).cpu() for n, t in self.ema.items()} if self.ema else None
