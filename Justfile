@@ -40,8 +40,8 @@ demo: setup
 
 # Flow-GRPO with the OCR reward on the committed 3.7M-parameter base (examples/toy_ocr/base),
 # held-out evaluation every 10 iterations, a report, then base and trained scored with and
-# without CFG. About 35 minutes on one core; not part of `test`.
-# The toy OCR experiment of the README's results section (about 35 minutes).
+# without CFG: the experiment of the README's results section. About 25 minutes on one core
+# (14 of them RL); not part of `test`.
 toy-ocr iterations="70": setup
     #!/usr/bin/env bash
     set -euo pipefail
