@@ -3,14 +3,18 @@
 In LoRA mode a peft adapter (gaussian A, zero B) is attached to the transformer's attention
 projections whenever a policy is loaded, in rollout as in the update, so both run the very same
 modules; with B = 0 its output equals the base model's exactly. In full mode the transformer's
-own weights are trained. A checkpoint folder holds the LoRA weights in the file and key format
-diffusers' `load_lora_weights()` reads (or the full transformer's weights), plus, written by the
-update, the optimizer and trainer state, and a manifest written last.
+own weights are trained. A checkpoint folder holds the LoRA weights as diffusers'
+`save_lora_weights()` writes them, with the adapter's config (rank, alpha, targets) in the file's
+metadata, so `pipe.load_lora_weights(folder)` rebuilds the adapter at the scale alpha / r the
+policy trained with (or the full transformer's weights); the EMA weights the same way in the
+subfolder `ema/`; plus, written by the update, the optimizer and trainer state, and a manifest
+written last.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +24,16 @@ import torch
 from flowgrpo_cli.config import Config
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import ModelAdapter, load_adapter
-from flowgrpo_cli.rundir import RunDir, read_manifest, sha256_file
+from flowgrpo_cli.rundir import RunDir, atomic_file, atomic_path, read_manifest, sha256_file
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 FULL_WEIGHTS = "transformer.safetensors"
 LORA_PREFIX = "transformer."  # diffusers' key prefix of the transformer's LoRA layers
+# A subfolder, not a second file beside the weights: given a folder, load_lora_weights picks any
+# file ending in pytorch_lora_weights.safetensors, so an `ema_` copy there could be loaded instead.
+EMA_FOLDER = "ema"
+ADAPTER_NAME = "default"  # the name diffusers' add_adapter gives the one adapter we attach
+_METADATA_KEY = "lora_adapter_metadata"  # where diffusers keeps the LoraConfig in the file
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -170,17 +179,72 @@ def weights_file(mode: str) -> str:
     return LORA_WEIGHTS if mode == "lora" else FULL_WEIGHTS
 
 
-def load_weights(policy: Policy, checkpoint: Path) -> None:
-    """Load the trained weights of `checkpoint` into the policy and tag its version."""
+def write_weights(policy: Policy, path: Path, weights: dict[str, torch.Tensor]) -> None:
+    """Write trained weights (keyed as the transformer's own state dict) atomically to `path`.
+
+    LoRA weights go through the pipeline class's own save_lora_weights() with the adapter's
+    LoraConfig as metadata: without it, load_lora_weights() would guess alpha = r and load the
+    adapter at scale 1 instead of alpha / r. Full weights are a plain safetensors file.
+    """
+    if policy.mode == "full":
+        from safetensors.torch import save
+
+        with atomic_file(path) as handle:
+            handle.write(save(weights))
+        return
+    adapter_config = policy.transformer.peft_config[ADAPTER_NAME].to_dict()
+    with atomic_path(path) as tmp:
+        type(policy.adapter.pipeline).save_lora_weights(
+            tmp.parent,
+            transformer_lora_layers=weights,
+            transformer_lora_adapter_metadata=adapter_config,
+            weight_name=tmp.name,
+            safe_serialization=True,
+        )
+
+
+def read_weights(policy: Policy, path: Path) -> dict[str, torch.Tensor]:
+    """The weights of a file write_weights() wrote, keyed as the transformer's state dict.
+
+    A LoRA file that records another rank or alpha than the policy's adapter is refused: its
+    weights would fit the layers, but run at another scale than the one they were trained at.
+    """
     from safetensors.torch import load_file
 
+    state = load_file(str(path))
+    if policy.mode == "full":
+        return state
+    _check_lora_config(policy, path)
+    return {key.removeprefix(LORA_PREFIX): value for key, value in state.items()}
+
+
+def _check_lora_config(policy: Policy, path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = (handle.metadata() or {}).get(_METADATA_KEY)
+    if metadata is None:  # written before the config was recorded: nothing to compare
+        return
+    saved = json.loads(metadata)
+    own = policy.transformer.peft_config[ADAPTER_NAME]
+    for key, value in (("r", own.r), ("lora_alpha", own.lora_alpha)):
+        if saved.get(f"{LORA_PREFIX}{key}") != value:
+            raise FlowGrpoError(
+                f"{path} holds a LoRA with {key} = {saved.get(LORA_PREFIX + key)}, the policy's "
+                f"adapter has {key} = {value}: set train.lora_rank / train.lora_alpha to the "
+                "values it was trained with"
+            )
+
+
+def load_weights(policy: Policy, checkpoint: Path) -> None:
+    """Load the trained weights of `checkpoint` into the policy and tag its version."""
     path = checkpoint / weights_file(policy.mode)
     if not path.is_file():
         raise FlowGrpoError(
             f"{path} is missing: checkpoint {checkpoint} was not written in "
             f"train.mode = {policy.mode!r}"
         )
-    state = load_file(str(path))
+    state = read_weights(policy, path)
     if policy.mode == "lora":
         _load_lora_state(policy.transformer, state, path)
     else:
@@ -191,7 +255,6 @@ def load_weights(policy: Policy, checkpoint: Path) -> None:
 def _load_lora_state(transformer: torch.nn.Module, state: dict, path: Path) -> None:
     from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 
-    state = {key.removeprefix(LORA_PREFIX): value for key, value in state.items()}
     expected = get_peft_model_state_dict(transformer)
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())

@@ -26,12 +26,11 @@ import torch
 from flowgrpo_cli.config import Config
 from flowgrpo_cli.distributed import dist_info
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.policy import LORA_PREFIX, Policy, weights_file
+from flowgrpo_cli.policy import EMA_FOLDER, Policy, read_weights, weights_file, write_weights
 from flowgrpo_cli.rundir import atomic_file, atomic_write_bytes
 
 OPTIMIZER_STATE = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"
-EMA_PREFIX = "ema_"
 
 
 @dataclass
@@ -163,7 +162,6 @@ class Trainer:
     def save(self, folder: Path) -> list[str]:
         """Write weights (+ EMA), optimizer and trainer state into `folder` (rank 0 writes;
         every rank takes part in gathering the shards). Returns the file names written."""
-        from safetensors.torch import save
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -182,16 +180,12 @@ class Trainer:
         if not dist_info().is_main:
             return []
         folder.mkdir(parents=True, exist_ok=True)
-        files = []
-        weights = self._export(model_state)
-        with atomic_file(folder / weights_file(self.policy.mode)) as handle:
-            handle.write(save(weights))
-        files.append(weights_file(self.policy.mode))
-        if ema is not None:
-            name = EMA_PREFIX + weights_file(self.policy.mode)
-            with atomic_file(folder / name) as handle:
-                handle.write(save(self._export(ema)))
-            files.append(name)
+        weights = {weights_file(self.policy.mode): model_state}
+        if ema is not None:  # a folder of its own that load_lora_weights() reads the same way
+            weights[f"{EMA_FOLDER}/{weights_file(self.policy.mode)}"] = ema
+        for name, state in weights.items():
+            write_weights(self.policy, folder / name, self._export(state))
+        files = list(weights)
         with atomic_file(folder / OPTIMIZER_STATE) as handle:
             handle.write(_optimizer_bytes(optimizer_state))
         files.append(OPTIMIZER_STATE)
@@ -202,13 +196,13 @@ class Trainer:
         return files
 
     def _export(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Trainable weights in the checkpoint's key format (diffusers' for LoRA)."""
+        """Trainable weights keyed as the checkpoint's weights (peft's keys for LoRA)."""
         if self.policy.mode == "full":
             return {k: v.contiguous() for k, v in state.items()}
         from peft.utils import get_peft_model_state_dict
 
         lora = get_peft_model_state_dict(self.policy.transformer, state_dict=state)
-        return {LORA_PREFIX + k: v.contiguous() for k, v in lora.items()}
+        return {k: v.contiguous() for k, v in lora.items()}
 
     def load(self, folder: Path) -> None:
         """Optimizer and trainer state of a checkpoint (weights are the policy's business)."""
@@ -230,12 +224,10 @@ class Trainer:
             self._load_ema(folder)
 
     def _load_ema(self, folder: Path) -> None:
-        from safetensors.torch import load_file
-
-        path = folder / (EMA_PREFIX + weights_file(self.policy.mode))
+        path = folder / EMA_FOLDER / weights_file(self.policy.mode)
         if not path.is_file():  # EMA switched on mid-run: start it from the current weights
             return
-        saved = load_file(str(path))
+        saved = read_weights(self.policy, path)
         own = self._export({n: _full(t) for n, t in self.ema.items()})
         if saved.keys() != own.keys():
             raise FlowGrpoError(f"{path} does not match the model's trainable weights")
