@@ -1,12 +1,12 @@
 """The policy: a model adapter plus the weights Flow-GRPO trains, and their checkpoints.
 
-In LoRA mode a peft adapter (gaussian A, zero B) is attached to the transformer's attention
-projections whenever a policy is loaded, in rollout as in the update, so both run the very same
-modules; with B = 0 its output equals the base model's exactly. In full mode the transformer's
-own weights are trained. A checkpoint folder holds the LoRA weights as diffusers'
-`save_lora_weights()` writes them, with the adapter's config (rank, alpha, targets) in the file's
-metadata, so `pipe.load_lora_weights(folder)` rebuilds the adapter at the scale alpha / r the
-policy trained with (or the full transformer's weights); the EMA weights the same way in the
+In LoRA mode a peft adapter (gaussian A, zero B) is attached to the transformer's modules
+whenever a policy is loaded, in rollout as in the update, so both run the very same modules;
+with B = 0 its output equals the base model's exactly. In full mode the transformer's own
+weights are trained. A checkpoint folder holds the LoRA weights in diffusers' LoRA format, with
+the adapter's config (rank, alpha, targets) in the file's metadata as diffusers writes it, so
+`pipe.load_lora_weights(folder)` rebuilds the adapter at the scale alpha / r the policy
+trained with (or the full transformer's weights); the EMA weights the same way in the
 subfolder `ema/`; plus, written by the update, the optimizer and trainer state, and a manifest
 written last.
 """
@@ -24,7 +24,7 @@ import torch
 from flowgrpo_cli.config import Config
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import ModelAdapter, load_adapter
-from flowgrpo_cli.rundir import RunDir, atomic_file, atomic_path, read_manifest, sha256_file
+from flowgrpo_cli.rundir import RunDir, atomic_file, read_manifest, sha256_file
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 FULL_WEIGHTS = "transformer.safetensors"
@@ -33,7 +33,6 @@ LORA_PREFIX = "transformer."  # diffusers' key prefix of the transformer's LoRA 
 # file ending in pytorch_lora_weights.safetensors, so an `ema_` copy there could be loaded instead.
 EMA_FOLDER = "ema"
 ADAPTER_NAME = "default"  # the name diffusers' add_adapter gives the one adapter we attach
-_METADATA_KEY = "lora_adapter_metadata"  # where diffusers keeps the LoraConfig in the file
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -182,25 +181,29 @@ def weights_file(mode: str) -> str:
 def write_weights(policy: Policy, path: Path, weights: dict[str, torch.Tensor]) -> None:
     """Write trained weights (keyed as the transformer's own state dict) atomically to `path`.
 
-    LoRA weights go through the pipeline class's own save_lora_weights() with the adapter's
-    LoraConfig as metadata: without it, load_lora_weights() would guess alpha = r and load the
-    adapter at scale 1 instead of alpha / r. Full weights are a plain safetensors file.
+    LoRA weights are written as diffusers' save_lora_weights() writes them: keys under
+    `transformer.`, and the adapter's LoraConfig as JSON under the metadata key diffusers reads
+    back (also prefixed). Without that config, load_lora_weights() would guess alpha = r and
+    load the adapter at scale 1 instead of alpha / r. Not save_lora_weights() itself: it puts a
+    second metadata key beside that one, and safetensors writes several in hash order, so the
+    same weights gave other bytes in another process, and a resumed run no longer ended with
+    the uninterrupted run's checkpoint. Full weights are a plain safetensors file.
     """
-    if policy.mode == "full":
-        from safetensors.torch import save
+    from safetensors.torch import save
 
-        with atomic_file(path) as handle:
-            handle.write(save(weights))
-        return
-    adapter_config = policy.transformer.peft_config[ADAPTER_NAME].to_dict()
-    with atomic_path(path) as tmp:
-        type(policy.adapter.pipeline).save_lora_weights(
-            tmp.parent,
-            transformer_lora_layers=weights,
-            transformer_lora_adapter_metadata=adapter_config,
-            weight_name=tmp.name,
-            safe_serialization=True,
-        )
+    metadata = None
+    if policy.mode == "lora":
+        from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
+        adapter_config = policy.transformer.peft_config[ADAPTER_NAME].to_dict()
+        config = {
+            f"{LORA_PREFIX}{key}": sorted(value) if isinstance(value, set) else value
+            for key, value in adapter_config.items()
+        }  # target_modules is a set: sorted, so its order is the same in every process
+        metadata = {LORA_ADAPTER_METADATA_KEY: json.dumps(config, indent=2, sort_keys=True)}
+        weights = {f"{LORA_PREFIX}{key}": value for key, value in weights.items()}
+    with atomic_file(path) as handle:
+        handle.write(save(weights, metadata=metadata))
 
 
 def read_weights(policy: Policy, path: Path) -> dict[str, torch.Tensor]:
@@ -219,10 +222,11 @@ def read_weights(policy: Policy, path: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_lora_config(policy: Policy, path: Path) -> None:
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
-        metadata = (handle.metadata() or {}).get(_METADATA_KEY)
+        metadata = (handle.metadata() or {}).get(LORA_ADAPTER_METADATA_KEY)
     if metadata is None:  # written before the config was recorded: nothing to compare
         return
     saved = json.loads(metadata)

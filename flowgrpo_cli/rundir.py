@@ -92,30 +92,22 @@ def part_name(index: int, count: int, suffix: str = "arrow") -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary sibling of `path` for a writer that takes a file name (diffusers' LoRA
-    saving, for one); once it is written, fsync it and rename it into place.
+def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temporary sibling of `path`; on success flush, fsync and rename it into place.
 
     On any exception the temporary file is removed and `path` is left as it was.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
     try:
-        yield tmp
-        with open(tmp, "rb") as handle:
+        with open(tmp, mode) as handle:
+            yield handle
+            handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temporary sibling of `path`; on success flush, fsync and rename it into place."""
-    with atomic_path(path) as tmp, open(tmp, mode) as handle:
-        yield handle
-        handle.flush()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
