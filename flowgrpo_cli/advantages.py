@@ -166,8 +166,9 @@ def data_metrics(
 
     reward/{name}_{mean,std,min,max} per reward, reward/{mean,std,min,max} of the weighted
     total, reward/zero_std_group_ratio (groups whose total rewards are all equal, a group of
-    one included: they give no learning signal), advantage/{mean,std,min,max} and
-    advantage/clipped_frac (|A| at the clip). Stds are population stds.
+    one included: they give no learning signal), advantage/{mean,std,min,max},
+    advantage/clipped_frac (|A| at the clip) and advantage/zero_frac (A exactly 0: the samples
+    the update leaves out under algorithm.drop_zero_advantage). Stds are population stds.
     """
     metrics: dict[str, float] = {}
     for name, values in rewards_by_name.items():
@@ -183,6 +184,7 @@ def data_metrics(
     a = advantages.to(torch.float64)
     clipped = (a.abs() >= clip).double().mean().item() if clip is not None else 0.0
     metrics["advantage/clipped_frac"] = clipped
+    metrics["advantage/zero_frac"] = (a == 0).double().mean().item()
     return metrics
 
 

@@ -192,6 +192,14 @@ class AlgorithmSection:
     beta: float = _option(
         0.04, "Weight of the KL to the reference (LoRA disabled).", check=_at_least(0.0)
     )
+    kl_convention: Literal["reference", "gaussian"] = _option(
+        "reference",
+        "What the KL divides by: the Flow-GRPO code's std_dev_t (published betas assume it) "
+        "or the step's own std (the exact per-step Gaussian KL, 1/(-dt) times larger for sde).",
+    )
+    drop_zero_advantage: bool = _option(
+        True, "Leave samples with advantage 0 out of the optimizer batches (as the reference)."
+    )
     recompute_old_logprobs: bool = _option(
         False, "Recompute old log-probs at the start of update instead of the rollout's."
     )
@@ -216,9 +224,14 @@ class TrainSection:
     lora_rank: int = _option(32, "LoRA rank r.", check=_at_least(1))
     lora_alpha: int = _option(64, "LoRA alpha.", check=_at_least(1))
     lora_targets: list[str] = _option(
-        [], "Module names to adapt; [] = the family's attention projections."
+        [], "Module names to adapt (peft suffixes); [] = the family's reference recipe."
     )
-    ema_decay: float = _option(0.0, "EMA of trained weights for evaluation; 0 = off.", check=_decay)
+    ema_decay: float = _option(
+        0.0,
+        "EMA of trained weights (evaluated, saved to ema/); its decay warms up as min(decay, "
+        "(1 + n) / (10 + n)) after n optimizer steps, as the reference's. 0 = off.",
+        check=_decay,
+    )
     ema_interval: int = _option(1, "Optimizer steps between EMA updates.", check=_at_least(1))
     gradient_checkpointing: bool = _option(
         False, "Recompute activations in backward.", affects_results=False

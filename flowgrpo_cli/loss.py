@@ -2,9 +2,12 @@
 
 ratio = exp(logp - logp_old); pg = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))): PPO's
 pessimistic clipped objective, with the tiny eps (1e-4) Flow-GRPO uses because a step's
-log-prob moves a lot for a small change of the mean. The KL to the reference policy is the
-closed form between two Gaussians of equal std: (mean - ref_mean)^2 / (2 std^2), averaged over
-latent elements, then over the batch. loss = pg + beta * kl.
+log-prob moves a lot for a small change of the mean. The KL to the reference policy has the
+form of the KL between two Gaussians of equal std d: (mean - ref_mean)^2 / (2 d^2), averaged
+over latent elements, then over the batch. loss = pg + beta * kl.
+
+Which d is `algorithm.kl_convention` (see kl_std): the reference code divides by the SDE's
+std_dev_t, the exact KL of one step by the step's std = std_dev_t sqrt(-dt).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.sde import StepOutput
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,9 @@ def policy_loss(
     """Loss of one trained step for a batch: log-probs and advantages [B].
 
     mean / ref_mean [B, ...] are the step means under the policy and the reference (LoRA off),
-    std [B] the step's std (StepOutput.std). They are needed when beta > 0; given with beta = 0
-    the KL is only measured. Old log-probs, advantages, ref_mean and std are treated as data.
+    std [B] the KL's divisor d, kl_std(step, convention). They are needed when beta > 0; given
+    with beta = 0 the KL is only measured. Old log-probs, advantages, ref_mean and std are
+    treated as data.
     """
     if not clip_range > 0.0:
         raise FlowGrpoError(f"clip_range={clip_range}: must be > 0 (Flow-GRPO uses 1e-4)")
@@ -103,7 +108,7 @@ def _kl(
         if beta > 0.0:
             raise FlowGrpoError(
                 f"beta={beta} needs the step means under the policy and the reference and the "
-                "step std: pass mean, ref_mean and std, or set beta=0"
+                "KL divisor: pass mean, ref_mean and std, or set beta=0"
             )
         return torch.zeros((), dtype=torch.float32, device=logp.device)
     if not all(given):
@@ -116,6 +121,22 @@ def _kl(
     diff = mean.float() - ref_mean.detach().float()  # [B, ...]
     per_sample = (diff**2).mean(dim=tuple(range(1, diff.ndim)))  # [B]
     return (per_sample / (2.0 * std.detach().float() ** 2)).mean()
+
+
+def kl_std(step: StepOutput, convention: str) -> torch.Tensor:
+    """The d [B] the KL of `step` divides by under `algorithm.kl_convention`.
+
+    "reference": the Flow-GRPO code's std_dev_t, a sqrt(sigma / (1 - s)) for the SDE, without
+    the step's sqrt(-dt). Every published beta (0.04 for OCR) was tuned with it.
+    "gaussian": the step's own std, which makes the term the exact KL between the policy's and
+    the reference's Gaussian steps; for the SDE it is the reference's value / |dt|, a factor
+    that grows toward the high-noise steps. Both are the step std for CPS.
+    """
+    if convention == "reference":
+        return step.std_dev_t
+    if convention == "gaussian":
+        return step.std
+    raise FlowGrpoError(f"kl_convention={convention!r}: choose 'reference' or 'gaussian'")
 
 
 def _check_batch(*tensors: torch.Tensor) -> None:

@@ -96,7 +96,8 @@ def render_iteration(console: Console, summary: Any) -> None:
     parts = [f"[bold]iteration {summary.iteration}[/]", f"{summary.seconds:.1f} s"]
     for key, label in (
         ("reward/mean", "reward"),
-        ("update/kl", "kl"),
+        ("update/kl_reference", "kl"),
+        ("update/kl_gaussian", "kl (gaussian)"),
         ("update/clipfrac", "clipfrac"),
         ("update/logprob_gap_max", "gap"),
     ):

@@ -31,7 +31,8 @@ def _plots(keys: set[str]) -> list[Plot]:
         Plot("rewards", "reward (train: rollout mean, eval: held-out ODE samples)",
              ["reward/mean", *rewards, *evals]),
         Plot("loss", "loss", ["update/loss", "update/pg_loss"]),
-        Plot("kl", "KL to the reference", ["update/kl", "update/approx_kl"]),
+        Plot("kl", "KL to the reference",
+             ["update/kl_reference", "update/kl_gaussian", "update/approx_kl"]),
         Plot("clipfrac", "clipped share of ratios",
              ["update/clipfrac", "update/clipfrac_above", "update/clipfrac_below"]),
         Plot("ratio", "policy ratio and on-policy log-prob gap",
@@ -74,8 +75,10 @@ def _img(png: bytes, alt: str) -> str:
 
 
 def _summary_table(log: list[dict[str, Any]]) -> str:
-    columns = ["iteration", "reward/mean", "eval/reward_mean", "update/kl", "update/clipfrac",
-               "update/logprob_gap_max", "rollout/seconds", "update/seconds"]  # fmt: skip
+    columns = ["iteration", "reward/mean", "eval/reward_mean", "update/kl_reference",
+               "update/kl_gaussian", "update/clipfrac", "update/logprob_gap_max",
+               "rollout/seconds", "update/seconds"]  # fmt: skip
+    columns = [c for c in columns if any(c in line for line in log)]
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
     rows = []
     for line in log:

@@ -39,6 +39,9 @@ class StepOutput:
     log_prob: torch.Tensor  # [B] float32: mean over non-batch dims of the log density
     mean: torch.Tensor  # [B, ...] float32
     std: torch.Tensor  # [B] float32: std of x_next itself (0 for a deterministic step)
+    # [B] float32: what the reference code calls std_dev_t and divides its KL by. For "sde" the
+    # diffusion a * sqrt(sigma / (1 - s)), without the step's sqrt(-dt); for "cps" equal to std.
+    std_dev_t: torch.Tensor
 
 
 class StepFunction(Protocol):
@@ -121,7 +124,9 @@ def sde_step(
     std = diffusion * torch.sqrt(-dt_b)  # [B]
     x_next = _draw_or_take(mean, std, next_latents, generators)
     log_prob = _gaussian_log_prob(x_next, mean, std)
-    return StepOutput(next_latents=x_next, log_prob=log_prob, mean=mean, std=std)
+    return StepOutput(
+        next_latents=x_next, log_prob=log_prob, mean=mean, std=std, std_dev_t=diffusion
+    )
 
 
 def cps_step(
@@ -159,7 +164,7 @@ def cps_step(
     mean = x0 * (1.0 - sig_next) + x1 * noise_coef
     x_next = _draw_or_take(mean, std, next_latents, generators)
     log_prob = -((x_next.detach() - mean) ** 2).mean(dim=_non_batch_dims(x))  # [B]
-    return StepOutput(next_latents=x_next, log_prob=log_prob, mean=mean, std=std)
+    return StepOutput(next_latents=x_next, log_prob=log_prob, mean=mean, std=std, std_dev_t=std)
 
 
 def ode_step(
@@ -171,7 +176,7 @@ def ode_step(
     dt_b = _per_sample(sigma_next, x, "sigma_next") - _per_sample(sigma, x, "sigma")  # [B]
     mean = x + _per_row(dt_b, x) * v
     zeros = torch.zeros_like(dt_b)  # [B]
-    return StepOutput(next_latents=mean, log_prob=zeros, mean=mean, std=zeros)
+    return StepOutput(next_latents=mean, log_prob=zeros, mean=mean, std=zeros, std_dev_t=zeros)
 
 
 # Config `sampler.kind` -> the step used on stochastic steps.

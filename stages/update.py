@@ -28,7 +28,7 @@ from flowgrpo_cli.advantages import compute_advantages, data_metrics
 from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.distributed import barrier, broadcast_object, dist_info
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.loss import LossMetrics, policy_loss
+from flowgrpo_cli.loss import LossMetrics, kl_std, policy_loss
 from flowgrpo_cli.models import Conditioning
 from flowgrpo_cli.policy import weights_file
 from flowgrpo_cli.progress import NullProgress, Progress
@@ -65,7 +65,13 @@ class UpdateResult:
 
 @dataclass(frozen=True)
 class IterationData:
-    """The iteration's samples that are trained on, with their advantages (all ranks)."""
+    """The iteration's samples that are trained on, with their advantages (all ranks).
+
+    Under algorithm.drop_zero_advantage (the default, as in the reference) samples whose
+    advantage is exactly 0 (flat groups, groups of one) are left out before the optimizer
+    batches are formed: the policy-gradient mean is then over samples that carry signal, and
+    they add no KL gradient either. advantages.arrow still lists every scored sample.
+    """
 
     sample_ids: list[str]
     group_ids: torch.Tensor  # [N] int64
@@ -140,9 +146,17 @@ def load_iteration(
         "reward": pa.array(total.tolist(), pa.float64()),
         "advantage": pa.array(advantages.tolist(), pa.float32()),
     })  # fmt: skip
-    return IterationData(
-        kept_ids, group_ids, advantages, _locate(parts, set(kept_ids)), metrics, table
+    trained = (
+        advantages != 0
+        if config.algorithm.drop_zero_advantage
+        else torch.ones_like(advantages, dtype=torch.bool)
     )
+    trained_ids = [sid for sid, t in zip(kept_ids, trained.tolist(), strict=True) if t]
+    metrics["update/samples_trained"] = float(len(trained_ids))
+    return IterationData(
+        trained_ids, group_ids[trained], advantages[trained], _locate(parts, set(trained_ids)),
+        metrics, table,
+    )  # fmt: skip
 
 
 def _locate(parts, wanted: set[str]) -> list[tuple[int, int, int]]:
@@ -183,7 +197,10 @@ class SampleReader:
 def optimizer_batches(
     num_samples: int, config: Config, iteration: int, epoch: int
 ) -> list[list[int]]:
-    """The epoch's shuffled sample indices, split evenly into `steps_per_epoch` batches."""
+    """The epoch's shuffled sample indices, split evenly into `steps_per_epoch` batches (fewer
+    when there are fewer samples; none without samples)."""
+    if num_samples == 0:
+        return []
     order = list(range(num_samples))
     random.Random(derive_seed(config.run.seed, iteration, "epoch", epoch)).shuffle(order)
     steps = min(config.train.steps_per_epoch, num_samples)
@@ -248,7 +265,16 @@ def _train(
     data: IterationData,
     progress: Progress,
 ) -> dict[str, float]:
-    info = dist_info()
+    plan = _plan(len(data.sample_ids), config, iteration)
+    # Fewer samples than steps_per_epoch (most often: the rest had advantage 0 and were
+    # dropped) means fewer optimizer steps; none at all when every sample was dropped.
+    skipped = config.train.inner_epochs * config.train.steps_per_epoch - len(plan)
+    if not plan:
+        return {
+            "update/optimizer_steps": 0.0,
+            "update/optimizer_steps_skipped": float(skipped),
+            "update/lr": trainer.learning_rate(),
+        }
     policy, adapter = trainer.policy, trainer.policy.adapter
     rollout_dir = run.stage_dir(iteration, "rollout")
     rollout = read_manifest(rollout_dir)
@@ -261,17 +287,9 @@ def _train(
         adapter.sigmas(sampler["num_steps"], sampler["height"], sampler["width"])[1]
     )
     beta = config.algorithm.beta
-    micro = config.train.micro_batch_size
-    world = info.world_size
+    world = dist_info().world_size
     device = policy.device
 
-    plan = []  # (epoch, optimizer batch, this rank's micro-batches)
-    for epoch in range(config.train.inner_epochs):
-        for batch in optimizer_batches(len(data.sample_ids), config, iteration, epoch):
-            share = batch[info.rank :: world]
-            count = math.ceil(math.ceil(len(batch) / world) / micro)
-            micro_batches = [share[m * micro : (m + 1) * micro] for m in range(count)]
-            plan.append((len(batch), micro_batches))
     progress.start(
         f"update iter {iteration}", total=sum(len(m) for _, m in plan), unit="micro-batches"
     )
@@ -341,7 +359,7 @@ def _train(
                     beta=beta,
                     mean=out.mean if beta > 0 else None,
                     ref_mean=ref_mean,
-                    std=out.std if beta > 0 else None,
+                    std=kl_std(out, config.algorithm.kl_convention) if beta > 0 else None,
                 )
                 (result.loss * weight).backward()
                 if real:
@@ -353,6 +371,8 @@ def _train(
     policy.transformer.eval()
     losses.all_reduce()
     metrics = losses.summary()
+    # The KL's name says which divisor it has (the two differ by 1/|dt| for the SDE).
+    metrics[f"update/kl_{config.algorithm.kl_convention}"] = metrics.pop("update/kl")
     gaps = torch.cat(gap) if gap else torch.zeros(1)
     metrics.update({
         "update/logprob_gap_max": float(gaps.max()),
@@ -361,8 +381,26 @@ def _train(
         "update/grad_norm_max": float(np.max([m["grad_norm"] for m in step_metrics])),
         "update/lr": step_metrics[-1]["lr"],
         "update/optimizer_steps": float(len(step_metrics)),
+        "update/optimizer_steps_skipped": float(skipped),
     })  # fmt: skip
     return metrics
+
+
+def _plan(num_samples: int, config: Config, iteration: int) -> list[tuple[int, list[list[int]]]]:
+    """Per optimizer step: (its batch size, this rank's micro-batches of sample indices).
+
+    Each rank takes every world_size-th sample of a batch; every rank runs the same number of
+    micro-batches (some may be empty: zero-weighted stand-ins keep collectives aligned).
+    """
+    info = dist_info()
+    micro = config.train.micro_batch_size
+    plan = []
+    for epoch in range(config.train.inner_epochs):
+        for batch in optimizer_batches(num_samples, config, iteration, epoch):
+            share = batch[info.rank :: info.world_size]
+            count = math.ceil(math.ceil(len(batch) / info.world_size) / micro)
+            plan.append((len(batch), [share[m * micro : (m + 1) * micro] for m in range(count)]))
+    return plan
 
 
 def _conditioning(store, group_ids: list[int], device) -> Conditioning:

@@ -34,7 +34,7 @@ def test_two_iterations_end_to_end(make_run):
         assert (run.root / "samples" / f"eval-iter-{iteration:06d}.png").is_file()
     log = read_log(run)
     assert [line["iteration"] for line in log] == [0, 1, 2]
-    assert "update/kl" in log[0] and "eval/reward_mean" in log[0]
+    assert "update/kl_reference" in log[0] and "eval/reward_mean" in log[0]
     assert set(log[2]) >= {"iteration", "eval/reward_mean"}
     # a re-run has nothing left to do and writes the same log
     assert run_loop(config, run, ITERATIONS) == []

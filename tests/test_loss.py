@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.loss import LossMetrics, LossOutput, policy_loss
+from flowgrpo_cli.loss import LossMetrics, LossOutput, kl_std, policy_loss
+from flowgrpo_cli.sde import cps_step, sde_step
 
 
 def test_clipped_loss_hand_values():
@@ -92,6 +93,106 @@ def test_kl_is_measured_but_not_added_when_beta_is_zero():
     )  # fmt: skip
     torch.testing.assert_close(out.kl, torch.tensor(0.5))
     torch.testing.assert_close(out.loss, out.pg_loss)
+
+
+def step_kl(sigma, sigma_next, convention, *, substitute=0.9, a=0.7):
+    """KL of one SDE step whose policy velocity exceeds the reference's by 1 everywhere."""
+    x, v = torch.ones(1, 4), torch.full((1, 4), 0.5)
+    step = {"noise_level": a, "sigma_max_substitute": substitute, "next_latents": x}
+    out = sde_step(x, v + 1.0, sigma, sigma_next, **step)
+    ref = sde_step(x, v, sigma, sigma_next, **step)
+    logp = torch.zeros(1)
+    return policy_loss(
+        logp, logp, torch.zeros(1), clip_range=1e-4, beta=0.04,
+        mean=out.mean, ref_mean=ref.mean, std=kl_std(out, convention),
+    ).kl  # fmt: skip
+
+
+def test_kl_conventions_hand_values_at_sigma_one():
+    # sigma = 1 -> 0.9: s = 0.9 (the second sigma), std_dev_t^2 = 0.49 * 1 / 0.1 = 4.9; the
+    # velocity's coefficient is 1 + 4.9 * (1 - 1) / 2 = 1, so the means differ by 1 * dt = -0.1.
+    # reference: 0.01 / (2 * 4.9) = 1.0204e-3; gaussian divides by 2 * 4.9 * |dt| = 0.98 instead.
+    torch.testing.assert_close(step_kl(1.0, 0.9, "reference"), torch.tensor(0.01 / 9.8))
+    torch.testing.assert_close(step_kl(1.0, 0.9, "gaussian"), torch.tensor(0.01 / 0.98))
+
+
+def test_kl_conventions_hand_values_mid_range():
+    # sigma = 0.5 -> 0.4: std_dev_t^2 = 0.49 * 0.5 / 0.5 = 0.49; coefficient 1 + 0.49 * 0.5 / 1
+    # = 1.245, so the means differ by 1.245 * -0.1 = -0.1245 (squared 0.01550025).
+    torch.testing.assert_close(step_kl(0.5, 0.4, "reference"), torch.tensor(0.01550025 / 0.98))
+    # The exact Gaussian KL is 1/|dt| = 10 times the reference's on this step.
+    torch.testing.assert_close(step_kl(0.5, 0.4, "gaussian"), torch.tensor(0.01550025 / 0.098))
+
+
+def test_kl_conventions_agree_for_cps():
+    x, v = torch.ones(2, 4), torch.full((2, 4), 0.5)
+    out = cps_step(x, v, 0.5, 0.25, noise_level=0.5, next_latents=x)
+    assert torch.equal(kl_std(out, "reference"), kl_std(out, "gaussian"))
+    with pytest.raises(FlowGrpoError, match="choose 'reference' or 'gaussian'"):
+        kl_std(out, "exact")
+
+
+def reference_code_loss(x, v, v_ref, x_next, sigma, sigma_next, sigma_max, a, adv, old, eps, beta):
+    """One step's training loss as the Flow-GRPO reference code computes it: its
+    sde_step_with_logprob (per-sample sigmas viewed as [B, 1, 1, 1]) and train_sd3.py's loss,
+    formula for formula, written out independently of flowgrpo_cli."""
+    sigma, sigma_next = sigma.view(-1, 1, 1, 1), sigma_next.view(-1, 1, 1, 1)
+    dt = sigma_next - sigma
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * a
+
+    def step_mean(velocity):
+        return (
+            x * (1 + std_dev_t**2 / (2 * sigma) * dt)
+            + velocity * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        )
+
+    mean, mean_ref = step_mean(v), step_mean(v_ref)
+    scale = std_dev_t * torch.sqrt(-1 * dt)
+    log_prob = (
+        -((x_next - mean) ** 2) / (2 * scale**2)
+        - torch.log(scale)
+        - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
+    ).mean(dim=(1, 2, 3))
+    ratio = torch.exp(log_prob - old)
+    policy = torch.mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps, 1 + eps)))
+    kl = torch.mean(((mean - mean_ref) ** 2).mean(dim=(1, 2, 3), keepdim=True) / (2 * std_dev_t**2))
+    return policy + beta * kl, kl
+
+
+def test_reference_convention_with_beta_0_04_is_the_reference_codes_loss():
+    # A recorded step: three samples at sigma 1 (the second-sigma rule), 0.7 and 0.3 of a
+    # 10-step shift-3 schedule, the policy's velocity moved off the reference's, old log-probs
+    # 0.3 below the new ones for two samples (clipped) and equal for one.
+    gen = torch.Generator().manual_seed(7)
+    x, v_ref = torch.randn(3, 4, 2, 2, generator=gen), torch.randn(3, 4, 2, 2, generator=gen)
+    v = (v_ref + 0.3 * torch.randn(3, 4, 2, 2, generator=gen)).requires_grad_()
+    sigma, sigma_next = torch.tensor([1.0, 0.7, 0.3]), torch.tensor([0.9643, 0.6, 0.2])
+    a, sigma_max, eps, beta = 0.7, 0.9643, 1e-4, 0.04
+    step = {"noise_level": a, "sigma_max_substitute": sigma_max}
+    x_next = sde_step(x, v_ref, sigma, sigma_next, **step, generators=[
+        torch.Generator().manual_seed(s) for s in range(3)
+    ]).next_latents  # fmt: skip
+    out = sde_step(x, v, sigma, sigma_next, **step, next_latents=x_next)
+    ref_mean = sde_step(x, v_ref, sigma, sigma_next, **step, next_latents=x_next).mean
+    old = out.log_prob.detach() - torch.tensor([0.3, 0.0, -0.3])
+    adv = torch.tensor([1.2, -0.4, 0.7])
+    ours = policy_loss(
+        out.log_prob, old, adv, clip_range=eps, beta=beta,
+        mean=out.mean, ref_mean=ref_mean, std=kl_std(out, "reference"),
+    )  # fmt: skip
+    (our_grad,) = torch.autograd.grad(ours.loss, v)
+    theirs, their_kl = reference_code_loss(x, v, v_ref, x_next, sigma, sigma_next, sigma_max, a,
+                                           adv, old, eps, beta)  # fmt: skip
+    (their_grad,) = torch.autograd.grad(theirs, v)
+    torch.testing.assert_close(ours.loss, theirs)
+    torch.testing.assert_close(ours.kl, their_kl)
+    torch.testing.assert_close(our_grad, their_grad)
+    # The exact Gaussian KL of the same step is another, much larger number (1/|dt| per sample).
+    gaussian = policy_loss(
+        out.log_prob.detach(), old, adv, clip_range=eps, beta=beta,
+        mean=out.mean.detach(), ref_mean=ref_mean, std=kl_std(out, "gaussian"),
+    ).kl  # fmt: skip
+    assert gaussian > 9 * their_kl
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,12 @@ import json
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 from helpers import (
     do_iteration,
     do_rollout,
@@ -21,6 +23,7 @@ from safetensors.torch import load_file
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.policy import load_weights
 from flowgrpo_cli.rundir import read_manifest
+from flowgrpo_cli.trainer import Trainer
 from flowgrpo_cli.trajectory import read_table, write_table
 
 
@@ -69,7 +72,99 @@ def test_one_step_moves_log_probs_toward_the_advantage(make_run):
 def test_kl_is_exactly_zero_with_a_fresh_adapter(make_run):
     config, run = make_run("algorithm.beta=0.04", "train.steps_per_epoch=1")
     result, _ = do_iteration(config, run)
-    assert result.metrics["update/kl"] == 0.0  # B = 0: the policy is the reference
+    assert result.metrics["update/kl_reference"] == 0.0  # B = 0: the policy is the reference
+
+
+def test_kl_convention_names_the_metric(make_run):
+    config, run = make_run("algorithm.kl_convention=gaussian", "train.lr=0.05")
+    metrics = do_iteration(config, run)[0].metrics
+    assert metrics["update/kl_gaussian"] > 0.0  # the second step runs off the reference
+    assert "update/kl_reference" not in metrics and "update/kl" not in metrics
+
+
+@pytest.fixture
+def flat_rewards(tmp_path, monkeypatch) -> None:
+    """A reward plugin module `flat_rewards` on sys.path: `group_one_flat` scores brightness
+    except in group 1 of an iteration, whose images all get 0.5; `constant` gives 0.5 to all."""
+    (tmp_path / "flat_rewards.py").write_text(
+        textwrap.dedent("""
+        from PIL import ImageStat
+
+        def group_one_flat(images, prompts, metadata):
+            return [
+                0.5 if "-g0001-" in meta["sample_id"]
+                else ImageStat.Stat(image.convert("L")).mean[0] / 255.0
+                for image, meta in zip(images, metadata)
+            ]
+
+        def constant(images, prompts, metadata):
+            return [0.5] * len(images)
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.fixture
+def gradients(monkeypatch) -> list[dict]:
+    """The accumulated gradients of every optimizer step taken while the test runs."""
+    recorded = []
+    step = Trainer.step
+
+    def recording_step(self):
+        recorded.append({n: p.grad.clone() for n, p in self.parameters.items()})
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", recording_step)
+    return recorded
+
+
+def test_zero_advantage_samples_are_left_out_of_the_optimizer_batches(
+    make_run, flat_rewards, gradients
+):
+    # Group 1 scores flat, so its advantages are 0 (per-group std keeps group 0's the same as in
+    # a run without group 1). Two epochs of one step each: the second has a non-zero KL, which
+    # the dropped samples must not add to either.
+    common = [
+        'reward.weights={"flat_rewards:group_one_flat" = 1.0}', "algorithm.advantage_std=group",
+        "train.steps_per_epoch=1", "train.inner_epochs=2", "train.lr=0.05",
+    ]  # fmt: skip
+    steps = {}
+    for name, extra in [
+        ("flat_group_dropped", ["algorithm.prompts_per_iteration=2"]),
+        ("never_had_it", ["algorithm.prompts_per_iteration=1"]),
+        ("flat_group_kept", ["algorithm.prompts_per_iteration=2",
+                             "algorithm.drop_zero_advantage=false"]),
+    ]:  # fmt: skip
+        config, run = make_run(*common, *extra, name=name)
+        metrics = do_iteration(config, run)[0].metrics
+        steps[name] = (metrics, gradients[-2:])
+    dropped, dropped_grads = steps["flat_group_dropped"]
+    assert dropped["advantage/zero_frac"] == 0.5
+    assert dropped["update/samples_trained"] == 2.0
+    assert dropped["update/optimizer_steps"] == 2.0
+    assert dropped["update/optimizer_steps_skipped"] == 0.0
+    _, reference_grads = steps["never_had_it"]
+    kept, kept_grads = steps["flat_group_kept"]
+    assert kept["update/samples_trained"] == 4.0
+    for step in range(2):
+        for name, grad in reference_grads[step].items():
+            assert torch.equal(dropped_grads[step][name], grad), (step, name)
+    # Kept, the flat group halves the policy-gradient mean: another gradient.
+    differences = [(kept_grads[0][n] - g).abs().max() for n, g in reference_grads[0].items()]
+    assert max(differences) > 1e-4
+
+
+def test_an_iteration_with_every_advantage_zero_skips_its_steps(make_run, flat_rewards):
+    config, run = make_run('reward.weights={"flat_rewards:constant" = 1.0}')
+    metrics = do_iteration(config, run)[0].metrics
+    assert metrics["advantage/zero_frac"] == 1.0
+    assert metrics["update/samples_trained"] == 0.0
+    assert metrics["update/optimizer_steps"] == 0.0
+    assert metrics["update/optimizer_steps_skipped"] == 2.0  # train.steps_per_epoch
+    # The iteration still ends with a checkpoint (the unchanged weights) to go on from.
+    weights = load_file(run.checkpoint_dir(0) / "pytorch_lora_weights.safetensors")
+    assert all(not v.any() for k, v in weights.items() if "lora_B" in k)
+    do_rollout(config, run, 1)
 
 
 def test_recomputed_old_logprobs_ema_warmup_and_checkpointing(make_run):
