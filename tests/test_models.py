@@ -3,6 +3,7 @@ through from_pretrained, and fail with messages that say what is wrong."""
 
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -195,13 +196,36 @@ def test_velocity_keeps_gradients_for_training(tiny_adapter):
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("tiny", ["sd3", "flux", "qwenimage"])
-def test_default_lora_targets_are_attention_linears(tiny, tiny_adapter):
-    adapter = tiny_adapter(tiny)
-    linears = [n for n, m in adapter.transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    for target in adapter.default_lora_targets:
-        hits = [n for n in linears if n == target or n.endswith("." + target)]
-        assert hits and all(".attn." in f".{n}" for n in hits), target
+_JOINT_ATTENTION = r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+# What the Flow-GRPO reference recipes adapt, per family, as full module-name patterns.
+REFERENCE_LORA_MODULES = {
+    # SD3: the joint attention only; SD3.5's second attention (attn2) stays frozen.
+    "sd3": rf"transformer_blocks\.\d+\.{_JOINT_ATTENTION}",
+    # FLUX: also the double-stream blocks' feed-forward layers; the single-stream blocks'
+    # attention (to_q / to_k / to_v, no output projection) but not their MLP.
+    "flux": rf"transformer_blocks\.\d+\.({_JOINT_ATTENTION}|ff\.net\.(0\.proj|2)"
+    rf"|ff_context\.net\.(0\.proj|2))|single_transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v)",
+    # Qwen-Image: also both streams' MLPs.
+    "qwenimage": rf"transformer_blocks\.\d+\.({_JOINT_ATTENTION}"
+    rf"|img_mlp\.net\.(0\.proj|2)|txt_mlp\.net\.(0\.proj|2))",
+}
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
+def test_default_lora_targets_are_the_reference_recipes(family, tiny_model_dir):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from flowgrpo_cli.policy import attach_lora
+
+    adapter = load_adapter(tiny_model_dir(family), dtype=torch.float32, device="cpu")
+    transformer = adapter.transformer
+    linears = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    expected = {n for n in linears if re.fullmatch(REFERENCE_LORA_MODULES[family], n)}
+    attach_lora(transformer, rank=2, alpha=4, targets=adapter.default_lora_targets, seed=0)
+    adapted = {n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)}
+    assert expected and adapted == expected
+    if family == "sd3":  # the tiny SD3 has SD3.5's dual-attention block, left alone
+        assert any(".attn2." in n for n in linears)
 
 
 def test_qwenimage_custom_system_prompt(tiny_adapter):

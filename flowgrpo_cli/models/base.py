@@ -101,16 +101,20 @@ def _pad_dim1(t: torch.Tensor, length: int) -> torch.Tensor:
 
 # All three families use joint (MM-DiT style) attention: image projections to_q / to_k / to_v /
 # to_out.0 and text-stream projections add_*_proj / to_add_out (FLUX's single-stream blocks
-# reuse the to_q / to_k / to_v names). LoRA goes on these by default, as in Flow-GRPO.
+# reuse the to_q / to_k / to_v names). Named from the block, as the Flow-GRPO reference recipes
+# name them: "attn.to_q" matches `transformer_blocks.0.attn.to_q` but not the second,
+# image-only attention (`attn2`) of SD3.5's dual-attention blocks, which the reference leaves
+# alone. Each family's adapter adds the reference's other targets (FLUX's and Qwen-Image's
+# feed-forward layers) in its `default_lora_targets`.
 JOINT_ATTENTION_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
 )
 
 
@@ -164,7 +168,8 @@ class ModelAdapter(Protocol):
 
     @property
     def default_lora_targets(self) -> list[str]:
-        """Attention projections LoRA goes on by default (peft target_modules suffixes)."""
+        """The modules LoRA goes on by default, as the reference recipe of the family adapts
+        them (peft target_modules: a name or a dotted suffix of one)."""
         ...
 
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:

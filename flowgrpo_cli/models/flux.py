@@ -52,7 +52,10 @@ class FluxAdapter(PipelinePlacement):
 
     @property
     def default_lora_targets(self) -> list[str]:
-        return list(JOINT_ATTENTION_LORA_TARGETS)
+        """The reference's FLUX recipe: attention and the double-stream blocks' feed-forward
+        layers (image and text streams); the single-stream blocks' MLP stays frozen."""
+        feed_forward = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+        return [*JOINT_ATTENTION_LORA_TARGETS, *feed_forward]
 
     @property
     def guidance_embeds(self) -> bool:

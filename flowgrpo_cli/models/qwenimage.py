@@ -51,7 +51,9 @@ class QwenImageAdapter(PipelinePlacement):
 
     @property
     def default_lora_targets(self) -> list[str]:
-        return list(JOINT_ATTENTION_LORA_TARGETS)
+        """The reference's Qwen-Image recipe: attention and both streams' MLPs."""
+        mlp = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
+        return [*JOINT_ATTENTION_LORA_TARGETS, *mlp]
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         factor = self.pipeline.vae_scale_factor

@@ -42,6 +42,7 @@ class SD3Adapter(PipelinePlacement):
 
     @property
     def default_lora_targets(self) -> list[str]:
+        """The reference's SD3 recipe: the joint attention only (not SD3.5's attn2)."""
         return list(JOINT_ATTENTION_LORA_TARGETS)
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:

@@ -180,6 +180,10 @@ def _build_sd3():
         caption_projection_dim=64,
         pooled_projection_dim=64,  # the two CLIP projections (32 each) concatenated
         pos_embed_max_size=32,  # 32 patches of 2 latents of 8 px: images up to 512 px
+        # SD3.5's block kinds: a dual-attention block (a second, image-only attention `attn2`)
+        # and RMS-normed queries and keys, as in SD3.5 Medium.
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
     )
     return StableDiffusion3Pipeline(
         transformer=transformer,
