@@ -128,13 +128,20 @@ class Trainer:
         self._update_ema()
         return {"grad_norm": norm_value, "lr": lr}
 
+    def ema_decay(self) -> float:
+        """The EMA's decay after n optimizer steps: min(ema_decay, (1 + n) / (10 + n)), the
+        reference's warm-up, so the first updates follow the weights instead of lagging
+        behind their (zero) start."""
+        n = self.state.optimizer_steps
+        return min(self.config.train.ema_decay, (1 + n) / (10 + n))
+
     def _update_ema(self) -> None:
-        train = self.config.train
-        if self.ema is None or self.state.optimizer_steps % train.ema_interval:
+        if self.ema is None or self.state.optimizer_steps % self.config.train.ema_interval:
             return
+        weight = 1.0 - self.ema_decay()
         with torch.no_grad():
             for name, param in self.parameters.items():
-                self.ema[name].lerp_(param.detach(), 1.0 - train.ema_decay)
+                self.ema[name].lerp_(param.detach(), weight)
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
