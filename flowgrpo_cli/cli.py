@@ -235,7 +235,9 @@ def _is_main() -> bool:
 @user_errors
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the pipeline to.")],
-    family: Annotated[str, typer.Option(help="sd3, flux, flux-schnell or qwenimage.")] = "sd3",
+    family: Annotated[
+        str, typer.Option(help="sd3, sd35, flux, flux-schnell or qwenimage.")
+    ] = "sd3",
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:
     """Build a tiny random pipeline of a family, offline, and save it (for tests and demos)."""

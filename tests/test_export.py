@@ -17,7 +17,8 @@ from flowgrpo_cli.policy import EMA_FOLDER, load_weights
 from flowgrpo_cli.sampling import sample_batch
 from flowgrpo_cli.schedule import build_step_schedule
 
-FAMILIES = ["sd3", "flux", "qwenimage"]
+# SD3.5's block kinds (dual attention, whose attn2 the default targets leave frozen), FLUX, Qwen.
+FAMILIES = ["sd35", "flux", "qwenimage"]
 PROMPTS = ['A sign that says "OPEN"', 'A mug with "42"']
 GUIDANCE = 4.0
 

@@ -30,6 +30,8 @@ PIPELINE_CASES = {
     "sd3-cfg": ("sd3", None, 4.5, {"guidance_scale": 4.5}),
     # guidance 1: no CFG, one forward; the negatives are ignored on both sides.
     "sd3-no-cfg": ("sd3", NEGATIVES, 1.0, {"guidance_scale": 1.0}),
+    # SD3.5 Medium's blocks: dual attention and RMS qk-norm.
+    "sd35-cfg": ("sd35", None, 4.5, {"guidance_scale": 4.5}),
     # FLUX.1-dev kind: the scale goes in as an embedding; negatives ignored (no true CFG).
     "flux-embedded-guidance": ("flux", NEGATIVES, 3.5, {"guidance_scale": 3.5}),
     # FLUX.1-schnell kind: the scale is true CFG with the negative prompt.
@@ -39,10 +41,10 @@ PIPELINE_CASES = {
 }
 
 # Per family, a guidance_scale that exercises its guidance path.
-GUIDED = {"sd3": 4.5, "flux": 3.5, "flux-schnell": 4.0, "qwenimage": 4.0}
+GUIDED = {"sd3": 4.5, "sd35": 4.5, "flux": 3.5, "flux-schnell": 4.0, "qwenimage": 4.0}
 # SD3 and FLUX pad T5 tokens to 256 / 512 by default; shorter keeps the tests fast (and checks
 # that the option reaches encode_prompt). Qwen-Image's tokens are the prompt's own: no padding.
-MAX_LENGTH = {"sd3": 32, "flux": 64, "flux-schnell": 64, "qwenimage": None}
+MAX_LENGTH = {"sd3": 32, "sd35": 32, "flux": 64, "flux-schnell": 64, "qwenimage": None}
 
 
 def generators(seeds):
@@ -90,7 +92,7 @@ def test_adapter_reproduces_the_pipeline(case, tiny_adapter):
     assert images.min() >= 0.0 and images.max() <= 1.0
     np.testing.assert_allclose(images.permute(0, 2, 3, 1).numpy(), expected, rtol=0, atol=1e-5)
     # Negatives are encoded exactly when velocity will combine them.
-    uses_negatives = case in ("sd3-cfg", "flux-true-cfg", "qwenimage-true-cfg")
+    uses_negatives = case in ("sd3-cfg", "sd35-cfg", "flux-true-cfg", "qwenimage-true-cfg")
     assert ("negative_prompt_embeds" in cond) == uses_negatives
 
 
@@ -211,20 +213,20 @@ REFERENCE_LORA_MODULES = {
 }
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux", "qwenimage"])
-def test_default_lora_targets_are_the_reference_recipes(family, tiny_model_dir):
+@pytest.mark.parametrize("tiny", ["sd3", "sd35", "flux", "qwenimage"])
+def test_default_lora_targets_are_the_reference_recipes(tiny, tiny_model_dir):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from flowgrpo_cli.policy import attach_lora
 
-    adapter = load_adapter(tiny_model_dir(family), dtype=torch.float32, device="cpu")
+    adapter = load_adapter(tiny_model_dir(tiny), dtype=torch.float32, device="cpu")
     transformer = adapter.transformer
     linears = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    expected = {n for n in linears if re.fullmatch(REFERENCE_LORA_MODULES[family], n)}
+    expected = {n for n in linears if re.fullmatch(REFERENCE_LORA_MODULES[adapter.family], n)}
     attach_lora(transformer, rank=2, alpha=4, targets=adapter.default_lora_targets, seed=0)
     adapted = {n for n, m in transformer.named_modules() if isinstance(m, BaseTunerLayer)}
     assert expected and adapted == expected
-    if family == "sd3":  # the tiny SD3 has SD3.5's dual-attention block, left alone
+    if tiny == "sd35":  # SD3.5 Medium's dual-attention block is there, and left alone
         assert any(".attn2." in n for n in linears)
 
 
@@ -368,5 +370,5 @@ def test_tiny_builder_is_seeded_and_lists_its_families(tmp_path, tiny_model_dir)
     first = (tiny_model_dir("sd3") / weights).read_bytes()
     assert (again / weights).read_bytes() == first
     assert (other / weights).read_bytes() != first
-    with pytest.raises(FlowGrpoError, match="sd3, flux"):
+    with pytest.raises(FlowGrpoError, match="sd3, sd35, flux"):
         build_tiny_pipeline("sdxl", tmp_path)

@@ -160,7 +160,9 @@ def _autoencoder_kl(*, scaling_factor: float, shift_factor: float):
     )
 
 
-def _build_sd3():
+def _build_sd3(*, sd35: bool):
+    """sd35=True gives SD3.5 Medium's block kinds: a dual-attention block (a second, image-only
+    attention `attn2`) and RMS-normed queries and keys; False, SD3 Medium's plain MM-DiT."""
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
@@ -180,10 +182,8 @@ def _build_sd3():
         caption_projection_dim=64,
         pooled_projection_dim=64,  # the two CLIP projections (32 each) concatenated
         pos_embed_max_size=32,  # 32 patches of 2 latents of 8 px: images up to 512 px
-        # SD3.5's block kinds: a dual-attention block (a second, image-only attention `attn2`)
-        # and RMS-normed queries and keys, as in SD3.5 Medium.
-        dual_attention_layers=(0,),
-        qk_norm="rms_norm",
+        dual_attention_layers=(0,) if sd35 else (),
+        qk_norm="rms_norm" if sd35 else None,
     )
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -303,13 +303,15 @@ def _build_qwenimage():
 
 
 _BUILDERS: dict[str, Callable[[], object]] = {
-    "sd3": _build_sd3,
+    "sd3": lambda: _build_sd3(sd35=False),
+    "sd35": lambda: _build_sd3(sd35=True),
     "flux": lambda: _build_flux(guidance_embeds=True),
     "flux-schnell": lambda: _build_flux(guidance_embeds=False),
     "qwenimage": _build_qwenimage,
 }
 
-#: What `build_tiny_pipeline` can build: one per family, plus FLUX without guidance embeds.
+#: What `build_tiny_pipeline` can build: one per family, plus SD3.5's block kinds and FLUX
+#: without guidance embeds.
 TINY_FAMILIES: tuple[str, ...] = tuple(_BUILDERS)
 
 
