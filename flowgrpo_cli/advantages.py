@@ -17,25 +17,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 
 from flowgrpo_cli.errors import FlowGrpoError
 
 StdMode = Literal["global", "group", "none"]
-
-
-@dataclass(frozen=True)
-class GatheredRewards:
-    """Every rank's rewards, in rank order; this rank's own sit at [start, start + count)."""
-
-    rewards: torch.Tensor  # [N_all] float64
-    group_ids: torch.Tensor  # [N_all] int64
-    start: int
-    count: int
-
-    def local_part(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a tensor computed over all rewards (e.g. the advantages)."""
-        return values[self.start : self.start + self.count]
 
 
 @dataclass(frozen=True)
@@ -116,42 +101,6 @@ _DENOMINATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Groups, float], 
     "group": _group_std,
     "none": _no_std,
 }
-
-
-def gather_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> GatheredRewards:
-    """All ranks' rewards and group ids, in rank order, on every rank.
-
-    Without an initialised process group this rank's are returned as they are. Ranks may hold
-    different numbers of images (uneven shards), so each row is padded to the longest before
-    the all_gather and cut back after. Tensors stay on the rewards' device: with NCCL pass CUDA
-    tensors.
-    """
-    _check_rewards(rewards, group_ids)
-    r = rewards.to(torch.float64)  # [N]
-    ids = group_ids.to(torch.int64)  # [N]
-    if not (dist.is_available() and dist.is_initialized()):
-        return GatheredRewards(rewards=r, group_ids=ids, start=0, count=r.numel())
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    count = torch.tensor([r.numel()], dtype=torch.int64, device=r.device)
-    counts = [torch.zeros_like(count) for _ in range(world)]
-    dist.all_gather(counts, count)
-    sizes = [int(c.item()) for c in counts]
-    all_r = _gather_padded(r, sizes)
-    all_ids = _gather_padded(ids, sizes)
-    return GatheredRewards(
-        rewards=all_r, group_ids=all_ids, start=sum(sizes[:rank]), count=sizes[rank]
-    )
-
-
-def _gather_padded(values: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """all_gather of a [n_rank] tensor whose length differs per rank -> [sum(sizes)]."""
-    longest = max(sizes)
-    padded = torch.zeros(longest, dtype=values.dtype, device=values.device)
-    padded[: values.numel()] = values
-    rows = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(rows, padded)
-    return torch.cat([row[:n] for row, n in zip(rows, sizes, strict=True)])
 
 
 def data_metrics(

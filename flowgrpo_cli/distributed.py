@@ -76,15 +76,6 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (a one-element list without a process group)."""
-    if not torch.distributed.is_initialized():
-        return [obj]
-    out: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
 def broadcast_object(obj: Any) -> Any:
     """Rank 0's `obj` on every rank."""
     if not torch.distributed.is_initialized():

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import MANIFEST, RunDir, read_manifest
+from flowgrpo_cli.rundir import MANIFEST, RunDir, read_manifest, verify_stage
 from flowgrpo_cli.trajectory import iter_batches, open_part
 
 STAGES = ("rollout", "scores", "update")
@@ -39,6 +39,15 @@ def _status(stage_dir: Path) -> str:
     return "[yellow]incomplete[/]" if stage_dir.exists() else "-"
 
 
+def _verified(stage_dir: Path) -> str:
+    """Every part the manifest lists, checked against its recorded size and sha256."""
+    try:
+        manifest = verify_stage(stage_dir)
+    except FlowGrpoError as err:
+        return f"[red]{err}[/]"
+    return f"[green]{len(manifest['parts'])} part(s) match their recorded size and sha256[/]"
+
+
 def _describe_run(console: Console, run: RunDir) -> None:
     table = Table(title=f"run {run.root}", show_edge=False)
     table.add_column("iteration")
@@ -61,6 +70,8 @@ def _describe_iteration(console: Console, folder: Path) -> None:
 def _describe_stage(console: Console, folder: Path, images_dir: Path | None) -> None:
     console.print(f"[bold]{folder}[/]: {_status(folder)}")
     manifest = read_manifest(folder)
+    if manifest is not None:
+        console.print(_verified(folder), highlight=False)
     if manifest is not None and "sampler" in manifest:
         sampler = manifest["sampler"]
         console.print(

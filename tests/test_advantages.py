@@ -1,15 +1,11 @@
-"""Group-relative advantages and data metrics against hand values; a 2-rank gather on gloo."""
+"""Group-relative advantages and data metrics against hand values."""
 
 import math
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from flowgrpo_cli.advantages import compute_advantages, data_metrics, gather_rewards
+from flowgrpo_cli.advantages import compute_advantages, data_metrics
 from flowgrpo_cli.errors import FlowGrpoError
 
 REWARDS = torch.tensor([1.0, 3.0, 0.0, 2.0])
@@ -111,68 +107,3 @@ def test_data_metrics_hand_values():
     assert m["advantage/mean"] == 0.0 and m["advantage/min"] == -5.0
     assert m["advantage/std"] == pytest.approx(math.sqrt(54 / 9))
     assert m["advantage/clipped_frac"] == pytest.approx(2 / 9)
-
-
-def test_gather_without_a_process_group_returns_the_rewards():
-    g = gather_rewards(REWARDS, GROUPS)
-    assert torch.equal(g.rewards, REWARDS.double()) and torch.equal(g.group_ids, GROUPS)
-    assert (g.start, g.count) == (0, 4)
-
-
-# --- two gloo ranks holding different numbers of images -------------------------------------
-
-# Rank 0 holds 3 images, rank 1 holds 5 (rank 0's padding sits mid-gather); group 1 spans
-# both ranks.
-RANK_REWARDS = ([1.0, 3.0, 0.0], [2.0, 0.5, 6.0, 4.0, 5.0])
-RANK_GROUPS = ([0, 0, 1], [1, 1, 2, 2, 2])
-
-
-def _rank_main(rank, port):
-    """What every rank of an update does: gather, then the same advantages everywhere."""
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
-    try:
-        gathered = gather_rewards(torch.tensor(RANK_REWARDS[rank]), torch.tensor(RANK_GROUPS[rank]))
-        advantages = compute_advantages(gathered.rewards, gathered.group_ids)
-        return {"all": advantages, "local": gathered.local_part(advantages)}
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned_rank_one(_index, port, out_path):
-    torch.save(_rank_main(1, port), out_path)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_two_ranks_compute_the_single_process_advantages(tmp_path):
-    # Rank 0 runs in this process and only rank 1 is spawned: a fresh interpreter importing
-    # torch is most of this test's time on a small CPU machine.
-    port, out_path = _free_port(), tmp_path / "rank1.pt"
-    child = mp.start_processes(
-        _spawned_rank_one, args=(port, str(out_path)), nprocs=1, join=False, start_method="spawn"
-    )
-    try:
-        rank0 = _rank_main(0, port)
-    finally:
-        child.join()
-    rank1 = torch.load(out_path)
-
-    single = compute_advantages(
-        torch.tensor(RANK_REWARDS[0] + RANK_REWARDS[1]),
-        torch.tensor(RANK_GROUPS[0] + RANK_GROUPS[1]),
-    )
-    assert torch.equal(rank0["all"], single) and torch.equal(rank1["all"], single)
-    assert torch.equal(rank0["local"], single[:3])
-    assert torch.equal(rank1["local"], single[3:])
-    assert not dist.is_initialized()

@@ -32,6 +32,21 @@ def test_inspect_run_iteration_stage_and_part(make_run, tmp_path):
     assert "jpeg_compressibility: double" in result.output
 
 
+def test_inspect_verifies_each_part_against_its_manifest(make_run):
+    config, run = make_run()
+    do_rollout(config, run)
+    do_score(config, run)
+    scores = run.stage_dir(0, "scores")
+    result = runner.invoke(app, ["inspect", str(scores)])
+    assert "1 part(s) match their recorded size and sha256" in result.output
+    part = scores / "part-00000-of-00001.arrow"
+    data = bytearray(part.read_bytes())
+    data[-200] ^= 0xFF  # one flipped byte inside the Arrow body
+    part.write_bytes(bytes(data))
+    result = runner.invoke(app, ["inspect", str(scores)])
+    assert "checksum differs from the manifest" in result.output.replace("\n", " ")
+
+
 def test_inspect_a_missing_path(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path / "none")])
     assert result.exit_code == 1 and "does not exist" in result.output
