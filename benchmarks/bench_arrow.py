@@ -41,7 +41,7 @@ PNG_BYTES = 300_000
 
 
 def _rows(start: int, count: int):
-    from flowgrpo_cli.trajectory import TrajectoryRows
+    from flowgrpo_cli.store.trajectory import TrajectoryRows
 
     generator = torch.Generator().manual_seed(start)
     sigmas = torch.linspace(1.0, 0.0, STEPS + 1)
@@ -66,7 +66,7 @@ def _rows(start: int, count: int):
 def run(ctx: Context, report: Report, shared: dict) -> None:
     import pyarrow as pa
 
-    from flowgrpo_cli.trajectory import (
+    from flowgrpo_cli.store.trajectory import (
         ArrowPartWriter,
         open_part,
         tensor_column,

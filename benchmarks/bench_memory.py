@@ -37,7 +37,7 @@ GROUPS = {"1x": 2, "8x": 16}
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from flowgrpo_cli.stages import rollout, score
 
-    from flowgrpo_cli.policy import load_policy
+    from flowgrpo_cli.training.policy import load_policy
 
     runs, children = {}, {}
     policy = None

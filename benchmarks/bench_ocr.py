@@ -1,6 +1,6 @@
 """6. OCR reward throughput on 512x512 rendered text, with 1 and 2 worker processes.
 
-`flowgrpo_cli.rewards.bench.ocr_throughput` renders the images, starts the workers and builds
+`benchmarks.ocr_images.ocr_throughput` renders the images, starts the workers and builds
 their engines untimed, then times one `score` of all images. The two worker counts alternate
 (1 2, 2 1, ...); A is 1 worker, B is 2, and the ratio B / A is the speed-up from the second
 worker (at most 2x, and only on two otherwise idle cores).
@@ -16,7 +16,7 @@ IMAGES = 12
 
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
-    from flowgrpo_cli.rewards.bench import ocr_throughput
+    from benchmarks.ocr_images import ocr_throughput
 
     rounds = 1 if ctx.quick else 2
     speeds: dict[int, list[float]] = {1: [], 2: []}

@@ -261,14 +261,14 @@ def _profiled():
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
     from flowgrpo_cli.stages import rollout
 
-    import flowgrpo_cli.engine as engine_module
+    import flowgrpo_cli.algorithm.sde as sde
+    import flowgrpo_cli.engines.diffusers_engine as engine_module
+    import flowgrpo_cli.engines.sampling as sampling
     import flowgrpo_cli.models as models
-    import flowgrpo_cli.sampling as sampling
-    import flowgrpo_cli.sde as sde
     from flowgrpo_cli.models.base import Conditioning
     from flowgrpo_cli.models.sd3 import SD3Adapter
-    from flowgrpo_cli.rundir import StageWriter
-    from flowgrpo_cli.trajectory import ArrowPartWriter
+    from flowgrpo_cli.store.rundir import StageWriter
+    from flowgrpo_cli.store.trajectory import ArrowPartWriter
 
     def part_label(writer, *args, **kwargs) -> str:
         kind = "conditioning" if writer.path.name.startswith("conditioning-") else "trajectory"

@@ -73,8 +73,8 @@ class BareLoop:
         from flowgrpo_cli.stages.update import optimizer_batches
 
         from flowgrpo_cli.models import Conditioning
-        from flowgrpo_cli.rundir import read_manifest
-        from flowgrpo_cli.trajectory import from_record_batch, read_conditioning, read_table
+        from flowgrpo_cli.store.rundir import read_manifest
+        from flowgrpo_cli.store.trajectory import from_record_batch, read_conditioning, read_table
 
         folder = run_dir.stage_dir(0, "rollout")
         manifest = read_manifest(folder)
@@ -135,7 +135,7 @@ class BareLoop:
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from flowgrpo_cli.stages import score, update
 
-    from flowgrpo_cli.trainer import Trainer
+    from flowgrpo_cli.training.trainer import Trainer
 
     config, run_dir, policy = shared["config"], shared["run"], shared["policy"]
     score.run(config, run_dir, 0)
@@ -243,11 +243,11 @@ def _profiled() -> SectionTimers:
     from flowgrpo_cli.stages import update
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    import flowgrpo_cli.sde as sde
-    from flowgrpo_cli.loss import LossMetrics
+    import flowgrpo_cli.algorithm.sde as sde
+    from flowgrpo_cli.algorithm.loss import LossMetrics
     from flowgrpo_cli.models.sd3 import SD3Adapter
-    from flowgrpo_cli.rundir import StageWriter
-    from flowgrpo_cli.trainer import Trainer
+    from flowgrpo_cli.store.rundir import StageWriter
+    from flowgrpo_cli.training.trainer import Trainer
 
     def forward_label(*args, **kwargs) -> str:
         grad = torch.is_grad_enabled()

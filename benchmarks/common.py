@@ -387,8 +387,8 @@ def make_run(root: Path, model: Path, *overrides: str):
     builds one: config.toml written as the CLI's first command would, then `prepare`."""
     from flowgrpo_cli.stages import prepare
 
-    from flowgrpo_cli.config import dumps_config, load_config
-    from flowgrpo_cli.rundir import RunDir
+    from flowgrpo_cli.store.config import dumps_config, load_config
+    from flowgrpo_cli.store.rundir import RunDir
 
     config = load_config(
         None,
@@ -411,7 +411,7 @@ def make_run(root: Path, model: Path, *overrides: str):
 
 
 def engine_for(policy, config):
-    from flowgrpo_cli.engine import build_engine
+    from flowgrpo_cli.engines import build_engine
 
     return build_engine(config, policy)
 
@@ -525,7 +525,7 @@ class Context:
         if self._policy is None:
             import torch
 
-            from flowgrpo_cli.policy import load_policy
+            from flowgrpo_cli.training.policy import load_policy
 
             self._policy = load_policy(config, torch.device("cpu"))
         return self._policy

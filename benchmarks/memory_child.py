@@ -65,10 +65,10 @@ def main(run_root: str) -> None:
     import torch
     from flowgrpo_cli.stages import update
 
-    from flowgrpo_cli.config import load_config
-    from flowgrpo_cli.policy import load_policy
-    from flowgrpo_cli.rundir import RunDir
-    from flowgrpo_cli.trainer import Trainer
+    from flowgrpo_cli.store.config import load_config
+    from flowgrpo_cli.store.rundir import RunDir
+    from flowgrpo_cli.training.policy import load_policy
+    from flowgrpo_cli.training.trainer import Trainer
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     run = RunDir(Path(run_root))

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.render import (
+from flowgrpo_cli.reporting.render import (
     render_iteration,
     render_metrics,
     render_prepare_summary,
@@ -86,7 +86,7 @@ def user_errors(fn: F) -> F:
 
 
 def run_in_rank(argv: list[str]) -> None:
-    """Run `flowgrpo ARGV` in this process as one rank of a Ray launch (ray_launch.py).
+    """Run `flowgrpo ARGV` in this process as one rank of a Ray launch (launch/ray_cluster.py).
 
     A FlowGrpoError is raised rather than printed: Ray hands it to the launching process,
     which reports it with the rank's number.
@@ -125,9 +125,9 @@ def prepare(
     ] = False,
 ) -> None:
     """Prompt files (txt / jsonl / csv / parquet) -> RUN/data/{train,test}.parquet."""
-    from flowgrpo_cli.runconfig import resolve_run
-    from flowgrpo_cli.rundir import RunLock
     from flowgrpo_cli.stages import prepare as stage
+    from flowgrpo_cli.store.runconfig import resolve_run
+    from flowgrpo_cli.store.rundir import RunLock
 
     options = {
         "data.train": train,
@@ -181,9 +181,9 @@ def _run_ranks(
     """
     import sys
 
-    from flowgrpo_cli.distributed import is_rank_process, launch_local
-    from flowgrpo_cli.ray_launch import ray_address_for
-    from flowgrpo_cli.rundir import RunLock
+    from flowgrpo_cli.launch.distributed import is_rank_process, launch_local
+    from flowgrpo_cli.launch.ray_cluster import ray_address_for
+    from flowgrpo_cli.store.rundir import RunLock
 
     section = resolved.config.distributed
     ranks = nproc or section.nproc
@@ -193,10 +193,11 @@ def _run_ranks(
     address = ray_address_for(resolved.config, ray_address)
     with RunLock(resolved.run.root):
         if address is not None:
-            from flowgrpo_cli.ray_launch import launch_ray
+            from flowgrpo_cli.launch.ray_cluster import launch_ray
 
             launch_ray(
                 sys.argv[1:],
+                run_in_rank,
                 nproc=ranks,
                 address=address,
                 cpus_per_worker=section.cpus_per_worker,
@@ -213,8 +214,8 @@ def _run_ranks(
 
 
 def _load_policy_for(resolved: Any, iteration: int) -> Any:
-    from flowgrpo_cli.distributed import init_process_group, resolve_device
-    from flowgrpo_cli.policy import checkpoint_for, load_policy, load_weights
+    from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
+    from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weights
 
     device = resolve_device(resolved.config.model.device)
     init_process_group(device)
@@ -226,7 +227,7 @@ def _load_policy_for(resolved: Any, iteration: int) -> Any:
 
 
 def _is_main() -> bool:
-    from flowgrpo_cli.distributed import dist_info
+    from flowgrpo_cli.launch.distributed import dist_info
 
     return dist_info().is_main
 
@@ -259,13 +260,13 @@ def rollout(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Sample groups of images with per-step log-probs -> RUN/iter-N/rollout/."""
-    from flowgrpo_cli.runconfig import resolve_run
+    from flowgrpo_cli.store.runconfig import resolve_run
 
     resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
 
     def body() -> None:
-        from flowgrpo_cli.engine import build_engine, engine_class
-        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.engines import build_engine, engine_class
+        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
         from flowgrpo_cli.stages import rollout as stage
 
         number = resolved.run.current_iteration() if iteration is None else iteration
@@ -298,13 +299,13 @@ def score(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Score an iteration's images with the configured rewards -> RUN/iter-N/scores/."""
-    from flowgrpo_cli.runconfig import resolve_run
+    from flowgrpo_cli.store.runconfig import resolve_run
 
     resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
 
     def body() -> None:
-        from flowgrpo_cli.distributed import init_process_group, resolve_device
-        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
+        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
         from flowgrpo_cli.stages import score as stage
 
         init_process_group(resolve_device("cpu"))
@@ -322,14 +323,14 @@ def score(
 def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | None) -> bool:
     """Score as Ray tasks apart from the ranks, when the Ray backend is on and
     distributed.score_tasks > 0; False when that is not asked for."""
-    from flowgrpo_cli.distributed import is_rank_process
-    from flowgrpo_cli.ray_launch import ray_address_for, score_on_pool
+    from flowgrpo_cli.launch.distributed import is_rank_process
+    from flowgrpo_cli.launch.ray_cluster import ray_address_for, score_on_pool
 
     address = ray_address_for(resolved.config, ray_address)
     if address is None or resolved.config.distributed.score_tasks <= 0 or is_rank_process():
         return False
-    from flowgrpo_cli.progress import RichProgress
-    from flowgrpo_cli.rundir import RunLock
+    from flowgrpo_cli.reporting.progress import RichProgress
+    from flowgrpo_cli.store.rundir import RunLock
 
     with RunLock(resolved.run.root):
         number = resolved.run.current_iteration() if iteration is None else iteration
@@ -352,14 +353,14 @@ def update(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Advantages + clipped policy-gradient step -> RUN/iter-N/update/ and a checkpoint."""
-    from flowgrpo_cli.runconfig import resolve_run
+    from flowgrpo_cli.store.runconfig import resolve_run
 
     resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
 
     def body() -> None:
-        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
         from flowgrpo_cli.stages import update as stage
-        from flowgrpo_cli.trainer import Trainer
+        from flowgrpo_cli.training.trainer import Trainer
 
         number = resolved.run.current_iteration() if iteration is None else iteration
         policy = _load_policy_for(resolved, number)
@@ -388,7 +389,7 @@ def loop(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Rollout -> score -> update, iteration after iteration; a re-run resumes."""
-    from flowgrpo_cli.runconfig import resolve_run
+    from flowgrpo_cli.store.runconfig import resolve_run
 
     if iterations < 1:
         raise FlowGrpoError(f"--iterations {iterations}: must be at least 1")
@@ -396,7 +397,7 @@ def loop(
 
     def body() -> None:
         from flowgrpo_cli.loop import run_loop
-        from flowgrpo_cli.progress import NullProgress, RichProgress
+        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
 
         main = _is_main()
         done = resolved.run.current_iteration()
@@ -460,8 +461,8 @@ def report(
     run: Annotated[Path, typer.Argument(help="The run directory.")],
 ) -> None:
     """Write RUN/report/index.html (self-contained) and PNG plots from the run's metrics."""
-    from flowgrpo_cli.report import write_report
-    from flowgrpo_cli.rundir import RunDir
+    from flowgrpo_cli.reporting.report import write_report
+    from flowgrpo_cli.store.rundir import RunDir
 
     if not run.is_dir():
         raise FlowGrpoError(f"{run} is not a run directory")
@@ -480,7 +481,7 @@ def inspect(
     ] = None,
 ) -> None:
     """Describe what a run, iteration, stage or part holds: schema, counts, groups, log-probs."""
-    from flowgrpo_cli.inspect import describe
+    from flowgrpo_cli.reporting.inspection import describe
 
     describe(console, path, images_dir=images)
 
@@ -496,8 +497,8 @@ def show_config(
     ] = False,
 ) -> None:
     """Print the resolved config (validated), or the reference of every key."""
-    from flowgrpo_cli.config import dumps_config, iter_reference
-    from flowgrpo_cli.runconfig import resolve_run
+    from flowgrpo_cli.store.config import dumps_config, iter_reference
+    from flowgrpo_cli.store.runconfig import resolve_run
 
     if reference:
         for key, default, meaning in iter_reference():

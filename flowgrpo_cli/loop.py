@@ -12,18 +12,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from flowgrpo_cli.config import Config
-from flowgrpo_cli.distributed import barrier, dist_info, init_process_group, resolve_device
-from flowgrpo_cli.engine import build_engine, engine_class
-from flowgrpo_cli.evaluation import evaluate
-from flowgrpo_cli.grid import GridItem, make_grid
-from flowgrpo_cli.metrics_log import TensorBoard, rebuild
-from flowgrpo_cli.policy import load_policy, load_weights
-from flowgrpo_cli.progress import NullProgress, Progress
-from flowgrpo_cli.ray_launch import pool_scorer_in_rank
-from flowgrpo_cli.rundir import RunDir, atomic_write_bytes, read_manifest
-from flowgrpo_cli.trainer import Trainer
-from flowgrpo_cli.trajectory import iter_batches, read_table
+from flowgrpo_cli.engines import build_engine, engine_class
+from flowgrpo_cli.launch.distributed import barrier, dist_info, init_process_group, resolve_device
+from flowgrpo_cli.launch.ray_cluster import pool_scorer_in_rank
+from flowgrpo_cli.reporting.grid import GridItem, make_grid
+from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.stages.evaluate import evaluate
+from flowgrpo_cli.store.config import Config
+from flowgrpo_cli.store.metrics_log import TensorBoard, rebuild
+from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, read_manifest
+from flowgrpo_cli.store.trajectory import iter_batches, read_table
+from flowgrpo_cli.training.policy import load_policy, load_weights
+from flowgrpo_cli.training.trainer import Trainer
 
 GRID_GROUPS, GRID_PER_GROUP = 4, 4
 

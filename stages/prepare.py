@@ -13,10 +13,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.prompts import PromptRow, format_problems, read_prompt_file
-from flowgrpo_cli.rundir import RunDir, StageWriter, atomic_file, read_manifest, sha256_file
+from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.prompts import PromptRow, format_problems, read_prompt_file
+from flowgrpo_cli.store.rundir import RunDir, StageWriter, atomic_file, read_manifest, sha256_file
 
 SPLITS = ("train", "test")
 COLUMNS = ("prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source")

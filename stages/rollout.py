@@ -14,12 +14,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
-from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
-from flowgrpo_cli.distributed import DistInfo, barrier, broadcast_object, dist_info
-from flowgrpo_cli.engine import RolloutEngine, SampleRequest, batches
+from flowgrpo_cli.algorithm.schedule import StepSchedule, build_step_schedule
+from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
+from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.progress import NullProgress, Progress
-from flowgrpo_cli.rundir import (
+from flowgrpo_cli.launch.distributed import DistInfo, barrier, broadcast_object, dist_info
+from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.rundir import (
     RunDir,
     StageWriter,
     atomic_write_json,
@@ -28,10 +30,8 @@ from flowgrpo_cli.rundir import (
     read_manifest,
     require_manifest,
 )
-from flowgrpo_cli.sampling import SampledBatch, SamplerSettings
-from flowgrpo_cli.schedule import StepSchedule, build_step_schedule
-from flowgrpo_cli.seeding import derive_seed
-from flowgrpo_cli.trajectory import (
+from flowgrpo_cli.store.seeding import derive_seed
+from flowgrpo_cli.store.trajectory import (
     ArrowPartWriter,
     TrajectoryRows,
     conditioning_table,

@@ -20,10 +20,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
-from flowgrpo_cli.distributed import barrier, broadcast_object, dist_info
-from flowgrpo_cli.progress import NullProgress, Progress
-from flowgrpo_cli.rundir import (
+from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.rundir import (
     RunDir,
     StageWriter,
     atomic_write_json,
@@ -31,7 +31,7 @@ from flowgrpo_cli.rundir import (
     read_manifest,
     require_manifest,
 )
-from flowgrpo_cli.trajectory import iter_batches, read_table, write_table
+from flowgrpo_cli.store.trajectory import iter_batches, read_table, write_table
 
 STAGE = "scores"
 _READ_COLUMNS = ["sample_id", "group_id", "prompt", "ground_truth", "image"]

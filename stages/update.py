@@ -24,15 +24,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from flowgrpo_cli.advantages import compute_advantages, data_metrics
-from flowgrpo_cli.config import STAGE_SECTIONS, Config, config_hash
-from flowgrpo_cli.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
+from flowgrpo_cli.algorithm.loss import LossMetrics, kl_std, policy_loss
+from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.loss import LossMetrics, kl_std, policy_loss
+from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
 from flowgrpo_cli.models import Conditioning
-from flowgrpo_cli.policy import weights_file
-from flowgrpo_cli.progress import NullProgress, Progress
-from flowgrpo_cli.rundir import (
+from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.rundir import (
     MANIFEST,
     RunDir,
     StageWriter,
@@ -42,10 +42,8 @@ from flowgrpo_cli.rundir import (
     require_manifest,
     sha256_file,
 )
-from flowgrpo_cli.sde import STEP_FUNCTIONS
-from flowgrpo_cli.seeding import derive_seed
-from flowgrpo_cli.trainer import Trainer
-from flowgrpo_cli.trajectory import (
+from flowgrpo_cli.store.seeding import derive_seed
+from flowgrpo_cli.store.trajectory import (
     TrajectoryRows,
     from_record_batch,
     open_part,
@@ -53,6 +51,8 @@ from flowgrpo_cli.trajectory import (
     read_table,
     write_table,
 )
+from flowgrpo_cli.training.policy import weights_file
+from flowgrpo_cli.training.trainer import Trainer
 
 STAGE = "update"
 

@@ -74,8 +74,8 @@ def make_run(tmp_path, tiny_model_dir):
     """
     from flowgrpo_cli.stages import prepare
 
-    from flowgrpo_cli.config import dumps_config, load_config
-    from flowgrpo_cli.rundir import RunDir
+    from flowgrpo_cli.store.config import dumps_config, load_config
+    from flowgrpo_cli.store.rundir import RunDir
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from flowgrpo_cli.stages import rollout, score, update
 
-from flowgrpo_cli.engine import build_engine
-from flowgrpo_cli.policy import checkpoint_for, load_policy, load_weights
-from flowgrpo_cli.trainer import Trainer
+from flowgrpo_cli.engines import build_engine
+from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weights
+from flowgrpo_cli.training.trainer import Trainer
 
 
 def policy_for(config, run, iteration: int = 0):
@@ -48,8 +48,8 @@ def do_iteration(config, run, iteration: int = 0):
 
 def stored_rows(run, iteration: int = 0):
     """(TrajectoryRows of every rollout part, stored conditioning by group id)."""
-    from flowgrpo_cli.rundir import read_manifest
-    from flowgrpo_cli.trajectory import from_record_batch, read_conditioning, read_table
+    from flowgrpo_cli.store.rundir import read_manifest
+    from flowgrpo_cli.store.trajectory import from_record_batch, read_conditioning, read_table
 
     folder = run.stage_dir(iteration, "rollout")
     manifest = read_manifest(folder)
@@ -62,8 +62,8 @@ def stored_rows(run, iteration: int = 0):
 @torch.no_grad()
 def recompute_log_probs(policy, config, run, iteration: int = 0):
     """Log-probs [N, T] of the stored trajectories under `policy`'s current weights."""
+    from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS
     from flowgrpo_cli.models import Conditioning
-    from flowgrpo_cli.sde import STEP_FUNCTIONS
 
     rows, stored = stored_rows(run, iteration)
     cond = Conditioning.cat(

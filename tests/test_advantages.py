@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo_cli.advantages import compute_advantages, data_metrics
+from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
 from flowgrpo_cli.errors import FlowGrpoError
 
 REWARDS = torch.tensor([1.0, 3.0, 0.0, 2.0])

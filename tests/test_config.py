@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from flowgrpo_cli.config import (
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.config import (
     Config,
     config_diff,
     config_hash,
@@ -12,8 +13,7 @@ from flowgrpo_cli.config import (
     iter_reference,
     load_config,
 )
-from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.runconfig import resolve_run
+from flowgrpo_cli.store.runconfig import resolve_run
 
 
 def write(tmp_path: Path, text: str) -> Path:

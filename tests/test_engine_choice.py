@@ -4,7 +4,8 @@ import importlib.util
 
 import pytest
 
-from flowgrpo_cli.engine import DiffusersEngine, engine_class
+from flowgrpo_cli.engines import engine_class
+from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
 from flowgrpo_cli.errors import FlowGrpoError
 
 

@@ -12,10 +12,10 @@ import torch
 from flowgrpo_cli.stages import rollout
 from helpers import do_iteration, policy_for
 
+from flowgrpo_cli.algorithm.schedule import build_step_schedule
+from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.policy import EMA_FOLDER, load_weights
-from flowgrpo_cli.sampling import sample_batch
-from flowgrpo_cli.schedule import build_step_schedule
+from flowgrpo_cli.training.policy import EMA_FOLDER, load_weights
 
 # SD3.5's block kinds (dual attention, whose attn2 the default targets leave frozen), FLUX, Qwen.
 FAMILIES = ["sd35", "flux", "qwenimage"]

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from flowgrpo_cli.guidance import apply_cfg
+from flowgrpo_cli.models.guidance import apply_cfg
 
 
 def test_cfg_hand_values():

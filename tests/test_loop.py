@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from flowgrpo_cli.loop import run_loop
-from flowgrpo_cli.metrics_log import read_log
-from flowgrpo_cli.report import write_report
-from flowgrpo_cli.rundir import read_manifest, verify_stage
+from flowgrpo_cli.reporting.report import write_report
+from flowgrpo_cli.store.metrics_log import read_log
+from flowgrpo_cli.store.rundir import read_manifest, verify_stage
 
 ITERATIONS = 2
 
@@ -135,7 +135,7 @@ def test_grid_rows_are_as_tall_as_their_scaled_images():
 
     from PIL import Image
 
-    from flowgrpo_cli.grid import CAPTION_LINES, CELL, LINE_HEIGHT, GridItem, make_grid
+    from flowgrpo_cli.reporting.grid import CAPTION_LINES, CELL, LINE_HEIGHT, GridItem, make_grid
 
     def png(width: int, height: int) -> bytes:
         buffer = io.BytesIO()

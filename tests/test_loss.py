@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
+from flowgrpo_cli.algorithm.loss import LossMetrics, LossOutput, kl_std, policy_loss
+from flowgrpo_cli.algorithm.sde import cps_step, sde_step
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.loss import LossMetrics, LossOutput, kl_std, policy_loss
-from flowgrpo_cli.sde import cps_step, sde_step
 
 
 def test_clipped_loss_hand_values():

@@ -217,7 +217,7 @@ REFERENCE_LORA_MODULES = {
 def test_default_lora_targets_are_the_reference_recipes(tiny, tiny_model_dir):
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    from flowgrpo_cli.policy import attach_lora
+    from flowgrpo_cli.training.policy import attach_lora
 
     adapter = load_adapter(tiny_model_dir(tiny), dtype=torch.float32, device="cpu")
     transformer = adapter.transformer

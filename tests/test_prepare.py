@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.prompts import extract_target, read_prompt_file
+from flowgrpo_cli.store.prompts import extract_target, read_prompt_file
 
 PAPER_PROMPTS = Path(__file__).resolve().parents[2] / "shared/data/flow_grpo_ocr_test.txt"
 runner = CliRunner()

@@ -172,8 +172,8 @@ def prepared_run(ray_cluster, tiny_model_dir) -> Path:
     """A prepared run (data only) whose config scores with the test plugin: copy it."""
     from flowgrpo_cli.stages import prepare
 
-    from flowgrpo_cli.config import dumps_config, load_config
-    from flowgrpo_cli.rundir import RunDir
+    from flowgrpo_cli.store.config import dumps_config, load_config
+    from flowgrpo_cli.store.rundir import RunDir
 
     base = ray_cluster.base
     prompts = base / "prompts.txt"
@@ -342,7 +342,7 @@ def test_a_rank_error_names_the_rank_and_a_dead_worker_says_so():
     from ray.exceptions import ActorDiedError
     from ray.train import WorkerGroupError
 
-    from flowgrpo_cli.ray_launch import describe_failure
+    from flowgrpo_cli.launch.ray_cluster import describe_failure
 
     same = FlowGrpoError("data/train.parquet: missing")
     text = describe_failure(WorkerGroupError("snippets", {0: same, 1: same}))
@@ -354,7 +354,7 @@ def test_a_rank_error_names_the_rank_and_a_dead_worker_says_so():
 
 
 def test_a_launch_the_cluster_cannot_hold_is_refused():
-    from flowgrpo_cli.ray_launch import _check_resources
+    from flowgrpo_cli.launch.ray_cluster import _check_resources
 
     class FakeRay:
         @staticmethod

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageDraw, ImageFont
 
+from benchmarks.ocr_images import ocr_throughput, render_text_images
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards import RewardBatch, build_rewards, ocr
-from flowgrpo_cli.rewards.bench import ocr_throughput, render_text_images
 from flowgrpo_cli.rewards.ocr import OcrReward, normalize, ocr_distance, ocr_score
 
 DEJAVU_SERIF_BOLD = Path("/usr/share/fonts/truetype/dejavu/DejaVuSerif-Bold.ttf")

@@ -10,7 +10,6 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from flowgrpo_cli.config import load_config
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards import (
     REWARD_NAMES,
@@ -24,6 +23,7 @@ from flowgrpo_cli.rewards import (
     score_image_files,
 )
 from flowgrpo_cli.rewards.jpeg import jpeg_size_kb
+from flowgrpo_cli.store.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 REPO = Path(__file__).resolve().parents[1]

@@ -14,12 +14,12 @@ from flowgrpo_cli.stages import rollout
 from helpers import do_rollout, engine_for, policy_for, recompute_log_probs
 from PIL import Image
 
-from flowgrpo_cli.distributed import DistInfo
+from flowgrpo_cli.algorithm.schedule import build_step_schedule
+from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import StageWriter, read_manifest
-from flowgrpo_cli.sampling import sample_batch
-from flowgrpo_cli.schedule import build_step_schedule
-from flowgrpo_cli.trajectory import from_record_batch, iter_batches, read_conditioning
+from flowgrpo_cli.launch.distributed import DistInfo
+from flowgrpo_cli.store.rundir import StageWriter, read_manifest
+from flowgrpo_cli.store.trajectory import from_record_batch, iter_batches, read_conditioning
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 

@@ -12,7 +12,7 @@ from socket import gethostname
 import pytest
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import (
+from flowgrpo_cli.store.rundir import (
     RunDir,
     RunLock,
     StageWriter,
@@ -58,7 +58,7 @@ def test_writer_killed_mid_part_leaves_no_visible_part_and_rerun_completes(tmp_p
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from flowgrpo_cli.rundir import atomic_file
+        from flowgrpo_cli.store.rundir import atomic_file
         with atomic_file(Path({str(stage_dir / "part-00001-of-00002.arrow")!r})) as handle:
             handle.write(b"x" * 1000)
             handle.flush()

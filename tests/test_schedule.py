@@ -4,8 +4,8 @@ import random
 
 import pytest
 
+from flowgrpo_cli.algorithm.schedule import StepSchedule, build_step_schedule
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.schedule import StepSchedule, build_step_schedule
 
 T, F = True, False
 

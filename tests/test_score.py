@@ -4,8 +4,8 @@ import pytest
 from helpers import do_rollout, do_score
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import read_manifest
-from flowgrpo_cli.trajectory import read_table
+from flowgrpo_cli.store.rundir import read_manifest
+from flowgrpo_cli.store.trajectory import read_table
 
 # Fails on the second image of group 1: a NaN score is an error for that image alone.
 PLUGIN = """

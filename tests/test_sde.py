@@ -6,8 +6,14 @@ import math
 import pytest
 import torch
 
+from flowgrpo_cli.algorithm.sde import (
+    STEP_FUNCTIONS,
+    cps_step,
+    ode_step,
+    per_sample_noise,
+    sde_step,
+)
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.sde import STEP_FUNCTIONS, cps_step, ode_step, per_sample_noise, sde_step
 
 A = 0.7  # the paper's noise level
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowgrpo_cli.config import load_config
-from flowgrpo_cli.prompts import read_prompt_file
+from flowgrpo_cli.store.config import load_config
+from flowgrpo_cli.store.prompts import read_prompt_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "examples" / "toy_ocr"

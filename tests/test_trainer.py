@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import policy_for
 
-from flowgrpo_cli.trainer import Trainer
+from flowgrpo_cli.training.trainer import Trainer
 
 
 def test_ema_decay_warms_up_like_the_reference(make_run):

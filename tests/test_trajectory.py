@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.trajectory import (
+from flowgrpo_cli.store.trajectory import (
     TRAJECTORY_COLUMNS,
     ArrowPartWriter,
     TrajectoryRows,

@@ -21,10 +21,10 @@ from helpers import (
 from safetensors.torch import load_file
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.policy import load_weights
-from flowgrpo_cli.rundir import read_manifest
-from flowgrpo_cli.trainer import Trainer
-from flowgrpo_cli.trajectory import read_table, write_table
+from flowgrpo_cli.store.rundir import read_manifest
+from flowgrpo_cli.store.trajectory import read_table, write_table
+from flowgrpo_cli.training.policy import load_weights
+from flowgrpo_cli.training.trainer import Trainer
 
 
 def test_first_micro_batch_is_on_policy_and_files_are_written(make_run):

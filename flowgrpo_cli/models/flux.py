@@ -24,7 +24,6 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
@@ -39,6 +38,7 @@ from flowgrpo_cli.models.base import (
     unpack_latents,
     uses_cfg,
 )
+from flowgrpo_cli.models.guidance import apply_cfg
 
 
 @dataclass(frozen=True)

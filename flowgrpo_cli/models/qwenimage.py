@@ -24,7 +24,6 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
@@ -38,6 +37,7 @@ from flowgrpo_cli.models.base import (
     unpack_latents,
     uses_cfg,
 )
+from flowgrpo_cli.models.guidance import apply_cfg
 
 
 @dataclass(frozen=True)

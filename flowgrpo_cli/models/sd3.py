@@ -16,7 +16,6 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
-from flowgrpo_cli.guidance import apply_cfg
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
@@ -29,6 +28,7 @@ from flowgrpo_cli.models.base import (
     sequence_length_kwargs,
     uses_cfg,
 )
+from flowgrpo_cli.models.guidance import apply_cfg
 
 
 @dataclass(frozen=True)

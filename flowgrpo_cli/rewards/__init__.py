@@ -12,14 +12,14 @@ from flowgrpo_cli.rewards.commands import (
     score_batches,
     score_image_files,
 )
-from flowgrpo_cli.rewards.options import RemoteOptions
-from flowgrpo_cli.rewards.policy import (
+from flowgrpo_cli.rewards.on_error import (
     ON_ERROR,
     ErrorPolicyOutcome,
     ErrorSummary,
     apply_error_policy,
     summarize_errors,
 )
+from flowgrpo_cli.rewards.options import RemoteOptions
 from flowgrpo_cli.rewards.registry import REWARD_NAMES
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
 

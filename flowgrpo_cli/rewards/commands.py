@@ -12,20 +12,20 @@ from typing import TYPE_CHECKING
 from PIL import Image, UnidentifiedImageError
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.prompts import extract_target
 from flowgrpo_cli.rewards.base import RewardBatch
-from flowgrpo_cli.rewards.options import RemoteOptions
-from flowgrpo_cli.rewards.policy import (
+from flowgrpo_cli.rewards.on_error import (
     ErrorPolicyOutcome,
     ErrorSummary,
     apply_error_policy,
     check_on_error,
     summarize_errors,
 )
+from flowgrpo_cli.rewards.options import RemoteOptions
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
+from flowgrpo_cli.store.prompts import extract_target
 
 if TYPE_CHECKING:
-    from flowgrpo_cli.config import RewardSection
+    from flowgrpo_cli.store.config import RewardSection
 
 
 def build_rewards_from_config(section: RewardSection) -> RewardSet:

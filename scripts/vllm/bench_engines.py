@@ -39,12 +39,13 @@ def main() -> None:
 
     import torch
 
-    from flowgrpo_cli.engine import DiffusersEngine, SampleRequest
+    from flowgrpo_cli.algorithm.schedule import build_step_schedule
+    from flowgrpo_cli.engines.base import SampleRequest
+    from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
+    from flowgrpo_cli.engines.sampling import SamplerSettings
+    from flowgrpo_cli.engines.vllm_omni import VllmOmniEngine
     from flowgrpo_cli.models import load_adapter
-    from flowgrpo_cli.policy import DTYPES, Policy, attach_lora
-    from flowgrpo_cli.sampling import SamplerSettings
-    from flowgrpo_cli.schedule import build_step_schedule
-    from flowgrpo_cli.vllm_engine import VllmOmniEngine
+    from flowgrpo_cli.training.policy import DTYPES, Policy, attach_lora
 
     model = args.model
     if model is None:

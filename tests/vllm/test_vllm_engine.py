@@ -33,9 +33,10 @@ pytest.importorskip(
     "vllm_omni", reason="vllm-omni is not installed here: run `just test-vllm` (uses .venv-vllm)"
 )
 
-from flowgrpo_cli.engine import ENGINES, DiffusersEngine
+from flowgrpo_cli.engines import ENGINES
+from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import RunDir, read_manifest, sha256_file
+from flowgrpo_cli.store.rundir import RunDir, read_manifest, sha256_file
 
 ODE_PIXEL_TOL = 1  # max |difference| of 8-bit image values, noise level 0
 LATENT_TOL = 1e-4  # max |difference| of stored float32 latents, SDE
@@ -107,8 +108,7 @@ def looped(tmp_path_factory):
     """A two-iteration loop sampled by vllm-omni (one instance for all of it)."""
     from flowgrpo_cli.loop import run_loop
     from flowgrpo_cli.models.tiny import build_tiny_pipeline
-    from flowgrpo_cli.runconfig import resolve_run
-    from flowgrpo_cli.vllm_engine import VllmOmniEngine
+    from flowgrpo_cli.store.runconfig import resolve_run
 
     root = tmp_path_factory.mktemp("vllm-loop")
     model = build_tiny_pipeline("qwenimage", root / "tiny-qwenimage", seed=0)
@@ -121,7 +121,7 @@ def looped(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         # The shared registry may not list the engine yet; this is the entry it needs.
         if "vllm-omni" not in ENGINES:
-            patch.setitem(ENGINES, "vllm-omni", VllmOmniEngine)
+            patch.setitem(ENGINES, "vllm-omni", "flowgrpo_cli.engines.vllm_omni:VllmOmniEngine")
         summaries = run_loop(resolved.config, resolved.run, ITERATIONS)
     seconds = time.perf_counter() - started
     print(f"\nloop of {ITERATIONS} iterations with vllm-omni (start-up included): {seconds:.1f} s")
@@ -136,7 +136,7 @@ def looped(tmp_path_factory):
 
 def _policy_at(config, run: RunDir, iteration: int):
     """The policy iteration `iteration` starts from, in float32 on the CPU."""
-    from flowgrpo_cli.policy import load_policy, load_weights
+    from flowgrpo_cli.training.policy import load_policy, load_weights
 
     policy = load_policy(config, torch.device("cpu"))
     if iteration > 0:
@@ -151,10 +151,9 @@ def _pixels(png: bytes) -> np.ndarray:
 
 
 def _eval_images(run: RunDir, iteration: int) -> dict[str, bytes]:
-    from flowgrpo_cli.evaluation import eval_dir
-    from flowgrpo_cli.trajectory import read_table
+    from flowgrpo_cli.store.trajectory import read_table
 
-    folder = eval_dir(run, iteration)
+    folder = run.eval_dir(iteration)
     parts = [folder / part["name"] for part in read_manifest(folder)["parts"]]
     table = read_table(parts, ["sample_id", "image"]).to_pydict()
     return dict(zip(table["sample_id"], table["image"], strict=True))
@@ -162,10 +161,11 @@ def _eval_images(run: RunDir, iteration: int) -> dict[str, bytes]:
 
 def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, bytes]:
     """What the diffusers engine draws for the evaluation of `iteration`: noise level 0."""
-    from flowgrpo_cli.evaluation import _requests
+    from flowgrpo_cli.stages.evaluate import _requests
+
+    from flowgrpo_cli.algorithm.schedule import build_step_schedule
+    from flowgrpo_cli.engines.sampling import SamplerSettings
     from flowgrpo_cli.models import to_png
-    from flowgrpo_cli.sampling import SamplerSettings
-    from flowgrpo_cli.schedule import build_step_schedule
 
     policy = _policy_at(config, run, iteration)
     engine = DiffusersEngine(
@@ -212,7 +212,7 @@ def _resampled_by_diffusers(looped, iteration: int, weights_of: int):
     with the weights iteration `weights_of` starts from."""
     from flowgrpo_cli.stages.rollout import build_requests, sampler_settings
 
-    from flowgrpo_cli.trajectory import from_record_batch, iter_batches
+    from flowgrpo_cli.store.trajectory import from_record_batch, iter_batches
 
     config, run = looped.config, looped.run
     folder = run.stage_dir(iteration, "rollout")
@@ -277,10 +277,10 @@ def test_rollout_after_an_update_uses_the_new_lora_weights(looped):
 
 
 def test_peft_export_uses_vllm_omni_module_names(tmp_path):
+    from flowgrpo_cli.engines.vllm_omni import write_peft_adapter
     from flowgrpo_cli.models import load_adapter
     from flowgrpo_cli.models.tiny import build_tiny_pipeline
-    from flowgrpo_cli.policy import attach_lora
-    from flowgrpo_cli.vllm_engine import write_peft_adapter
+    from flowgrpo_cli.training.policy import attach_lora
 
     model = build_tiny_pipeline("qwenimage", tmp_path / "tiny")
     adapter = load_adapter(model, dtype=torch.float32, device="cpu")
@@ -300,7 +300,7 @@ def test_peft_export_uses_vllm_omni_module_names(tmp_path):
 def test_engine_says_how_to_install_vllm_omni(monkeypatch):
     import sys
 
-    from flowgrpo_cli.vllm_engine import VllmOmniEngine
+    from flowgrpo_cli.engines.vllm_omni import VllmOmniEngine
 
     monkeypatch.setitem(sys.modules, "vllm_omni", None)  # import vllm_omni now fails
     with pytest.raises(FlowGrpoError, match="just setup-vllm"):

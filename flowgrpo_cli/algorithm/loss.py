@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flowgrpo_cli.algorithm.sde import StepOutput
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.sde import StepOutput
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The vllm-omni rollout engine: Flow-GRPO trajectories sampled by vllm-omni's Qwen-Image runtime.
 
-`VllmOmniEngine` is a RolloutEngine (flowgrpo_cli.engine) like DiffusersEngine; the rollout
+`VllmOmniEngine` is a RolloutEngine (flowgrpo_cli.engines.base) like DiffusersEngine; the rollout
 stage cannot tell them apart. What runs where:
 
 - Text conditioning is encoded in this process by the policy's own adapter, exactly as the
@@ -41,11 +41,12 @@ from typing import Any
 
 import torch
 
-from flowgrpo_cli.engine import DiffusersEngine, SampleRequest
+from flowgrpo_cli.engines.base import SampleRequest
+from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
+from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import Conditioning
-from flowgrpo_cli.policy import Policy
-from flowgrpo_cli.sampling import SampledBatch, SamplerSettings
+from flowgrpo_cli.training.policy import Policy
 
 #: The pipeline class vllm-omni loads (`custom_pipeline_args`), resolved via `__getattr__`.
 PIPELINE_CLASS = f"{__name__}.FlowGrpoQwenImagePipeline"
@@ -148,6 +149,13 @@ class VllmOmniEngine:
     def encode(self, requests: list[SampleRequest]) -> dict[int, Conditioning]:
         return self._text.encode(requests)
 
+    check_available = staticmethod(require_vllm_omni)  # engine_class() calls it when chosen
+
+    def sigmas(self, settings: SamplerSettings) -> torch.Tensor:
+        return self.policy.adapter.sigmas(
+            settings.schedule.num_steps, settings.height, settings.width
+        )
+
     def sample(
         self,
         requests: list[SampleRequest],
@@ -158,9 +166,7 @@ class VllmOmniEngine:
 
         omni = self._start(batch_size=len(requests))
         adapter = self._current_adapter()
-        sigmas = self.policy.adapter.sigmas(
-            settings.schedule.num_steps, settings.height, settings.width
-        )
+        sigmas = self.sigmas(settings)
         job = {
             "kind": settings.kind,
             "noise_level": settings.noise_level,
@@ -371,9 +377,9 @@ def _build_pipeline_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
+    from flowgrpo_cli.algorithm.schedule import StepSchedule
+    from flowgrpo_cli.engines.sampling import sample_batch
     from flowgrpo_cli.models import to_pil
-    from flowgrpo_cli.sampling import sample_batch
-    from flowgrpo_cli.schedule import StepSchedule
 
     class FlowGrpoQwenImagePipeline(QwenImagePipeline):
         """vllm-omni's Qwen-Image pipeline whose forward runs flowgrpo's sampler.

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.metrics_log import read_log
-from flowgrpo_cli.rundir import RunDir, atomic_write_bytes
+from flowgrpo_cli.store.metrics_log import read_log
+from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ class RunDir:
     def checkpoint_dir(self, iteration: int) -> Path:
         return self.root / "checkpoints" / f"iter-{iteration:06d}"
 
+    def eval_dir(self, iteration: int) -> Path:
+        """The evaluation of the policy iteration `iteration` starts from (0: the base)."""
+        return self.root / "eval" / f"iter-{iteration:06d}"
+
     def samples_path(self, iteration: int) -> Path:
         return self.root / "samples" / f"iter-{iteration:06d}.png"
 

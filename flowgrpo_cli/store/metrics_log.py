@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flowgrpo_cli.rundir import RunDir, atomic_write_bytes, read_manifest
+from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, read_manifest
 
 STAGE_FOLDERS = ("rollout", "scores", "update")
 
@@ -24,12 +24,10 @@ def _read(folder: Path) -> dict[str, float]:
 
 
 def iteration_metrics(run: RunDir, iteration: int) -> dict[str, Any]:
-    from flowgrpo_cli.evaluation import eval_dir
-
     line: dict[str, Any] = {"iteration": iteration}
     for stage in STAGE_FOLDERS:
         line.update(_read(run.stage_dir(iteration, stage)))
-    line.update(_read(eval_dir(run, iteration)))
+    line.update(_read(run.eval_dir(iteration)))
     return line
 
 

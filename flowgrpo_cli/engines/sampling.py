@@ -1,9 +1,9 @@
 """Sampling one batch of trajectories: the denoising loop every rollout engine runs.
 
 The loop owns nothing but the order of calls: the adapter gives noise, sigmas, velocities and
-images; flowgrpo_cli.sde gives the steps; flowgrpo_cli.schedule says which steps are
-stochastic. Each sample draws its initial noise and every step's noise from its own generator,
-seeded per sample, so a sample is the same whatever batch or rank it was drawn in.
+images; algorithm.sde gives the steps; algorithm.schedule says which steps are stochastic.
+Each sample draws its initial noise and every step's noise from its own generator, seeded per
+sample, so a sample is the same whatever batch or rank it was drawn in.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flowgrpo_cli.algorithm.schedule import StepSchedule
+from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, ode_step
 from flowgrpo_cli.models import Conditioning, ModelAdapter
-from flowgrpo_cli.schedule import StepSchedule
-from flowgrpo_cli.sde import STEP_FUNCTIONS, ode_step
 
 
 @dataclass(frozen=True)

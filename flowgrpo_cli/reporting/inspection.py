@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import MANIFEST, RunDir, read_manifest, verify_stage
-from flowgrpo_cli.trajectory import iter_batches, open_part
+from flowgrpo_cli.store.rundir import MANIFEST, RunDir, read_manifest, verify_stage
+from flowgrpo_cli.store.trajectory import iter_batches, open_part
 
 STAGES = ("rollout", "scores", "update")
 

@@ -23,11 +23,17 @@ from typing import Any
 
 import torch
 
-from flowgrpo_cli.config import Config
-from flowgrpo_cli.distributed import dist_info
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.policy import EMA_FOLDER, Policy, read_weights, weights_file, write_weights
-from flowgrpo_cli.rundir import atomic_file, atomic_write_bytes
+from flowgrpo_cli.launch.distributed import dist_info
+from flowgrpo_cli.store.config import Config
+from flowgrpo_cli.store.rundir import atomic_file, atomic_write_bytes
+from flowgrpo_cli.training.policy import (
+    EMA_FOLDER,
+    Policy,
+    read_weights,
+    weights_file,
+    write_weights,
+)
 
 OPTIMIZER_STATE = "optimizer.safetensors"
 TRAINER_STATE = "trainer_state.json"

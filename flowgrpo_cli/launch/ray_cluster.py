@@ -7,7 +7,8 @@ as `distributed.nproc` ranks placed by Ray, exactly as `--nproc` does on one hos
   `distributed.cpus_per_worker` CPUs and `distributed.gpus_per_worker` GPUs) and sets up the
   torch.distributed process group itself (gloo, or NCCL when workers have GPUs): it sets
   RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR in each worker and calls init_process_group.
-  Each worker then runs the very command the user typed, in-process (`cli.run_in_rank`),
+  Each worker then runs the very command the user typed, in-process (the entry function the
+  CLI passes in, its `run_in_rank`),
   marked as a rank (`distributed.RAY_RANK_ENV`) so it neither re-launches nor joins a group
   of its own. No scheduler or RPC of ours: Ray places, health-checks and tears down.
 - The launching process holds the run lock (`_run_ranks`) and only waits. A rank that raises
@@ -38,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 from flowgrpo_cli.errors import FlowGrpoError
 
 if TYPE_CHECKING:
-    from flowgrpo_cli.config import Config
-    from flowgrpo_cli.progress import Progress
-    from flowgrpo_cli.rundir import RunDir
-    from flowgrpo_cli.stages.score import ScoreStageResult
+    from flowgrpo_cli.reporting.progress import Progress
+    from flowgrpo_cli.stages.score import PartsScorer, ScoreStageResult
+    from flowgrpo_cli.store.config import Config
+    from flowgrpo_cli.store.rundir import RunDir
 
 INSTALL_HINT = "pip install 'flowgrpo[ray]'  (or: pip install 'ray[train]')"
 # Variables of the launching shell that the ranks and score tasks get too (Ray workers start
@@ -53,8 +54,6 @@ FORWARDED_ENV_PREFIXES = ("HF_", "HUGGING_FACE_", "TRANSFORMERS_", "FLOWGRPO_")
 # RUN/.ray/<name>/ on the storage every node sees, and is removed when the command ends.
 RAY_STORAGE_DIR = ".ray"
 _PROBE_TIMEOUT_S = 5.0
-# Scores rollout parts by name and returns the number of images (stages/score.py PartsScorer).
-PartsScorer = Callable[[list[str], "Progress"], int]
 
 
 def import_ray() -> Any:
@@ -174,6 +173,7 @@ def _check_resources(ray: Any, address: str, workers: int, cpus: float, gpus: fl
 
 def launch_ray(
     argv: Sequence[str],
+    entry: Callable[[list[str]], None],
     *,
     nproc: int,
     address: str,
@@ -181,7 +181,8 @@ def launch_ray(
     gpus_per_worker: float,
     run_root: Path,
 ) -> None:
-    """Run `flowgrpo ARGV` as `nproc` ranks on the Ray cluster at `address` and wait.
+    """Run `flowgrpo ARGV` as `nproc` ranks on the Ray cluster at `address` and wait: each
+    rank calls `entry(argv)` (the CLI's run_in_rank, passed in so this module needs no CLI).
 
     Raises FlowGrpoError naming the rank(s) that failed and why (their exception, or that the
     worker process died); the stages' finished outputs stay, so re-running resumes.
@@ -198,7 +199,7 @@ def launch_ray(
         name = f"flowgrpo-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
         trainer = TorchTrainer(
             _rank_main,
-            train_loop_config={"argv": list(argv), "cwd": os.getcwd()},
+            train_loop_config={"argv": list(argv), "cwd": os.getcwd(), "entry": entry},
             scaling_config=ScalingConfig(
                 num_workers=nproc, use_gpu=gpus_per_worker > 0, resources_per_worker=resources
             ),
@@ -227,7 +228,7 @@ def _rank_main(config: dict[str, Any]) -> None:
     LOCAL_RANK; RAY_RANK_ENV tells the command it is a rank (even a world of one), so it runs
     its body instead of launching ranks again and takes no run lock.
     """
-    from flowgrpo_cli.distributed import RAY_RANK_ENV
+    from flowgrpo_cli.launch.distributed import RAY_RANK_ENV
 
     os.environ[RAY_RANK_ENV] = "1"
     # Ray starts workers in a folder of its own; the command's relative paths (--config,
@@ -241,9 +242,7 @@ def _rank_main(config: dict[str, Any]) -> None:
             "relative paths resolve against " + os.getcwd(),
             file=sys.stderr,
         )
-    from flowgrpo_cli.cli import run_in_rank
-
-    run_in_rank(config["argv"])
+    config["entry"](config["argv"])
 
 
 def describe_failure(err: BaseException) -> str:
@@ -328,7 +327,7 @@ def pool_scorer_in_rank(config: Config, run: RunDir, iteration: int) -> PartsSco
     None (the ranks score their own parts)."""
     if config.distributed.score_tasks <= 0:
         return None
-    from flowgrpo_cli.distributed import RAY_RANK_ENV
+    from flowgrpo_cli.launch.distributed import RAY_RANK_ENV
 
     if os.environ.get(RAY_RANK_ENV) != "1":
         return None
@@ -379,8 +378,8 @@ def parts_scorer(config: Config, run: RunDir, iteration: int) -> PartsScorer:
 def _score_part_task(config: Config, root: str, iteration: int, name: str) -> int:
     """One Ray task: score rollout part `name` into its score part (written atomically)."""
     from flowgrpo_cli.rewards import build_rewards_from_config
-    from flowgrpo_cli.rundir import RunDir
     from flowgrpo_cli.stages import score
+    from flowgrpo_cli.store.rundir import RunDir
 
     run = RunDir(Path(root))
     if not run.stage_dir(iteration, "rollout").is_dir():

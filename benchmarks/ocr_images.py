@@ -1,4 +1,4 @@
-"""OCR reward throughput on rendered text, for the benchmark suite."""
+"""OCR reward throughput on rendered text, for the benchmark suite (and its test)."""
 
 from __future__ import annotations
 

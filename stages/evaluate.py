@@ -13,11 +13,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flowgrpo_cli.config import Config, config_hash
-from flowgrpo_cli.distributed import barrier, broadcast_object, dist_info
-from flowgrpo_cli.engine import RolloutEngine, SampleRequest, batches
-from flowgrpo_cli.grid import GridItem, make_grid
-from flowgrpo_cli.rundir import (
+from flowgrpo_cli.algorithm.schedule import build_step_schedule
+from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
+from flowgrpo_cli.engines.sampling import SamplerSettings
+from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.reporting.grid import GridItem, make_grid
+from flowgrpo_cli.store.config import Config, config_hash
+from flowgrpo_cli.store.rundir import (
     RunDir,
     StageWriter,
     atomic_write_bytes,
@@ -26,16 +28,10 @@ from flowgrpo_cli.rundir import (
     read_manifest,
     require_manifest,
 )
-from flowgrpo_cli.sampling import SamplerSettings
-from flowgrpo_cli.schedule import build_step_schedule
-from flowgrpo_cli.seeding import derive_seed
-from flowgrpo_cli.trajectory import read_table, write_table
+from flowgrpo_cli.store.seeding import derive_seed
+from flowgrpo_cli.store.trajectory import read_table, write_table
 
 GRID_IMAGES = 16
-
-
-def eval_dir(run: RunDir, iteration: int):
-    return run.root / "eval" / f"iter-{iteration:06d}"
 
 
 def _requests(config: Config, run: RunDir) -> list[SampleRequest]:
@@ -66,7 +62,7 @@ def evaluate(
     from flowgrpo_cli.rewards.base import RewardBatch
 
     info = dist_info()
-    folder = eval_dir(run, iteration)
+    folder = run.eval_dir(iteration)
     identity = {"config": config_hash(config), "policy": engine.version}
     writer = StageWriter(folder, "eval", identity)
     if not broadcast_object(writer.begin() if info.is_main else None):

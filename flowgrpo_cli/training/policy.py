@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from flowgrpo_cli.config import Config
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import ModelAdapter, load_adapter
-from flowgrpo_cli.rundir import RunDir, atomic_file, read_manifest, sha256_file
+from flowgrpo_cli.store.config import Config
+from flowgrpo_cli.store.rundir import RunDir, atomic_file, read_manifest, sha256_file
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 FULL_WEIGHTS = "transformer.safetensors"

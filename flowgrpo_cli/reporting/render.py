@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flowgrpo_cli.rundir import RunDir
+from flowgrpo_cli.store.rundir import RunDir
 
 
 def render_prepare_summary(console: Console, run: RunDir, manifest: dict[str, Any]) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flowgrpo_cli.config import Config, config_diff, dumps_config, load_config
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import RunDir, atomic_write_bytes
+from flowgrpo_cli.store.config import Config, config_diff, dumps_config, load_config
+from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import pyarrow as pa
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rundir import atomic_file
+from flowgrpo_cli.store.rundir import atomic_file
 
 TRAJECTORY_COLUMNS = (
     "sample_id",  # unique in the run: i{iteration}-g{group}-k{index in group}
