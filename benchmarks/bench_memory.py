@@ -29,6 +29,7 @@ from benchmarks.common import (
     goal_check,
     make_run,
 )
+from flowgrpo_cli.store.rundir import ROLLOUT
 
 GOAL = 1.10
 GROUPS = {"1x": 2, "8x": 16}
@@ -78,7 +79,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
 
     parts = {}
     for name, run_dir in runs.items():
-        folder = run_dir.stage_dir(0, "rollout")
+        folder = run_dir.stage_dir(0, ROLLOUT)
         parts[name] = sum(p.stat().st_size for p in folder.glob("part-*.arrow"))
     small, large = results["1x"], results["8x"]
     # The peak during the update alone (VmHWM reset just before it); where the kernel refuses

@@ -34,6 +34,7 @@ from benchmarks.common import (
     timer_overhead,
     total_calls,
 )
+from flowgrpo_cli.store.rundir import ROLLOUT, UPDATE
 
 GOAL = 1.15
 
@@ -76,7 +77,7 @@ class BareLoop:
         from flowgrpo_cli.store.rundir import read_manifest
         from flowgrpo_cli.store.trajectory import from_record_batch, read_conditioning, read_table
 
-        folder = run_dir.stage_dir(0, "rollout")
+        folder = run_dir.stage_dir(0, ROLLOUT)
         manifest = read_manifest(folder)
         table = read_table([folder / p for p in manifest["trajectory_parts"]])
         rows = from_record_batch(table.combine_chunks().to_batches()[0])
@@ -143,7 +144,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     bare = BareLoop(config, run_dir, policy)
 
     def clear() -> None:
-        remove(run_dir.stage_dir(0, "update"))
+        remove(run_dir.stage_dir(0, UPDATE))
         remove(run_dir.checkpoint_dir(0))
         policy.version = "base"  # what the rollout was sampled with
 
@@ -261,7 +262,7 @@ def _profiled() -> SectionTimers:
     for owner, name, label in (
         (update, "load_iteration", "load scores, advantages, locate rows"),
         (update, "read_conditioning", "read conditioning part"),
-        (update.SampleReader, "rows", "read micro-batch rows (mmap, take, copy)"),
+        (update.StoredSamples, "rows", "read micro-batch rows (mmap, take, copy)"),
         (update, "_conditioning", "conditioning cat per micro-batch"),
         (SD3Transformer2DModel, "forward", forward_label),
         (SD3Adapter, "velocity", "velocity: CFG batching + guidance"),

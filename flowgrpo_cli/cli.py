@@ -213,6 +213,11 @@ def _run_ranks(
         body()
 
 
+def _iteration_of(resolved: Any, iteration: int | None) -> int:
+    """The iteration a stage command works on: --iteration, else the run's current one."""
+    return resolved.run.current_iteration() if iteration is None else iteration
+
+
 def _load_policy_for(resolved: Any, iteration: int) -> Any:
     from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
     from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weights
@@ -268,8 +273,9 @@ def rollout(
         from flowgrpo_cli.engines import build_engine, engine_class
         from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
         from flowgrpo_cli.stages import rollout as stage
+        from flowgrpo_cli.store.rundir import ROLLOUT
 
-        number = resolved.run.current_iteration() if iteration is None else iteration
+        number = _iteration_of(resolved, iteration)
         cfg = resolved.config
         engine_class(cfg.sampler.engine)  # fails fast on a missing engine
         policy = _load_policy_for(resolved, number)
@@ -277,7 +283,7 @@ def rollout(
         progress = RichProgress() if _is_main() else NullProgress()
         result = stage.run(cfg, resolved.run, number, engine, progress)
         if _is_main():
-            folder = resolved.run.stage_dir(number, stage.STAGE)
+            folder = resolved.run.stage_dir(number, ROLLOUT)
             console.print(
                 f"rollout iteration {number}: {result.manifest['counts']['images']} "
                 f"images -> {folder}",
@@ -309,7 +315,7 @@ def score(
         from flowgrpo_cli.stages import score as stage
 
         init_process_group(resolve_device("cpu"))
-        number = resolved.run.current_iteration() if iteration is None else iteration
+        number = _iteration_of(resolved, iteration)
         progress = RichProgress() if _is_main() else NullProgress()
         result = stage.run(resolved.config, resolved.run, number, progress=progress)
         if _is_main():
@@ -333,7 +339,7 @@ def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | 
     from flowgrpo_cli.store.rundir import RunLock
 
     with RunLock(resolved.run.root):
-        number = resolved.run.current_iteration() if iteration is None else iteration
+        number = _iteration_of(resolved, iteration)
         result = score_on_pool(
             resolved.config, resolved.run, number, address=address, progress=RichProgress()
         )
@@ -362,7 +368,7 @@ def update(
         from flowgrpo_cli.stages import update as stage
         from flowgrpo_cli.training.trainer import Trainer
 
-        number = resolved.run.current_iteration() if iteration is None else iteration
+        number = _iteration_of(resolved, iteration)
         policy = _load_policy_for(resolved, number)
         trainer = Trainer(resolved.config, policy)
         if number > 0:

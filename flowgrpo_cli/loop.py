@@ -19,8 +19,9 @@ from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.stages.evaluate import evaluate
 from flowgrpo_cli.store.config import Config
+from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.metrics_log import TensorBoard, rebuild
-from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, read_manifest
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, atomic_write_bytes, read_manifest
 from flowgrpo_cli.store.trajectory import iter_batches, read_table
 from flowgrpo_cli.training.policy import load_policy, load_weights
 from flowgrpo_cli.training.trainer import Trainer
@@ -102,17 +103,17 @@ def _eval_due(config: Config, iteration: int, iterations: int) -> bool:
 
 def write_iteration_grid(run: RunDir, iteration: int) -> None:
     """samples/iter-N.png: the first images of the first groups, with their rewards."""
-    rollout_dir = run.stage_dir(iteration, "rollout")
-    manifest = read_manifest(rollout_dir)
-    scores_dir = run.stage_dir(iteration, "scores")
+    rollout_dir = run.stage_dir(iteration, ROLLOUT)
+    trajectory_parts = RolloutManifest.read(rollout_dir).trajectory_parts
+    scores_dir = run.stage_dir(iteration, SCORE)
     rewards = read_table(
-        [scores_dir / p for p in manifest["trajectory_parts"]], ["sample_id", "reward"]
+        [scores_dir / p for p in trajectory_parts], ["sample_id", "reward"]
     ).to_pydict()
     reward_of = dict(zip(rewards["sample_id"], rewards["reward"], strict=True))
     items: list[GridItem] = []
     per_group: dict[int, int] = {}
     columns = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
-    parts = [rollout_dir / p for p in manifest["trajectory_parts"]]
+    parts = [rollout_dir / p for p in trajectory_parts]
     for batch in iter_batches(parts, columns):
         for row in batch.to_pylist():
             group = row["group_id"]

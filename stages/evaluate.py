@@ -16,16 +16,17 @@ import pyarrow.parquet as pq
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.engines.sampling import SamplerSettings
-from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.launch.distributed import dist_info
+from flowgrpo_cli.launch.stage import Finished, run_stage
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.store.config import Config, config_hash
 from flowgrpo_cli.store.rundir import (
+    EVAL,
+    PREPARE,
     RunDir,
     StageWriter,
     atomic_write_bytes,
-    atomic_write_json,
     part_name,
-    read_manifest,
     require_manifest,
 )
 from flowgrpo_cli.store.seeding import derive_seed
@@ -35,7 +36,7 @@ GRID_IMAGES = 16
 
 
 def _requests(config: Config, run: RunDir) -> list[SampleRequest]:
-    require_manifest(run.data_dir, "prepare")
+    require_manifest(run.data_dir, PREPARE.command)
     rows = pq.read_table(run.data_dir / "test.parquet").to_pylist()
     if config.eval.num_prompts:
         rows = rows[: config.eval.num_prompts]
@@ -58,30 +59,54 @@ def evaluate(
     config: Config, run: RunDir, iteration: int, engine: RolloutEngine, rewards: Any
 ) -> dict[str, float]:
     """Evaluate the engine's current policy; returns `eval/...` metrics (cached on disk)."""
-    from flowgrpo_cli.models import to_pil, to_png
-    from flowgrpo_cli.rewards.base import RewardBatch
-
     info = dist_info()
-    folder = run.eval_dir(iteration)
-    identity = {"config": config_hash(config), "policy": engine.version}
-    writer = StageWriter(folder, "eval", identity)
-    if not broadcast_object(writer.begin() if info.is_main else None):
-        return _read_metrics(folder)
     requests = _requests(config, run)
     if not requests:
         return {}
-    mine = requests[info.rank :: info.world_size]
+    identity = {"config": config_hash(config), "policy": engine.version}
+    writer = StageWriter(run.eval_dir(iteration), EVAL.name, identity)
+    parts = [part_name(r, info.world_size) for r in range(info.world_size)]
     settings = SamplerSettings(
         kind=config.sampler.kind, noise_level=0.0, guidance_scale=config.eval.guidance_scale,
         height=config.model.height, width=config.model.width,
         schedule=build_step_schedule(config.eval.num_steps),
     )  # fmt: skip
-    started = time.perf_counter()
-    conditioning = engine.encode(mine)
+
+    def evaluate_my_prompts() -> dict[str, float]:
+        started = time.perf_counter()
+        mine = requests[info.rank :: info.world_size]
+        table = _sample_and_score(mine, engine, rewards, settings, config.sampler.batch_size)
+        write_table(writer.part_path(parts[info.rank]), table)
+        return {"eval/seconds": time.perf_counter() - started}
+
+    def finish(local: dict[str, float]) -> Finished:
+        table = read_table([writer.dir / p for p in parts])
+        _write_grid(run, iteration, table)
+        return Finished(
+            metrics=_metrics(table, local["eval/seconds"]),
+            parts=parts,
+            counts={"images": table.num_rows},
+        )
+
+    result = run_stage(writer, evaluate_my_prompts, finish)
+    return result.metrics if info.is_main or not result.fresh else {}
+
+
+def _sample_and_score(
+    requests: list[SampleRequest],
+    engine: RolloutEngine,
+    rewards: Any,
+    settings: SamplerSettings,
+    batch_size: int,
+) -> pa.Table:
+    """ODE images of `requests`, PNG-encoded and scored: one row per request."""
+    from flowgrpo_cli.models import to_pil, to_png
+    from flowgrpo_cli.rewards.base import RewardBatch
+
+    conditioning = engine.encode(requests)
     tables = []
-    for chunk in batches(mine, config.sampler.batch_size):
+    for chunk in batches(requests, batch_size):
         pixels = engine.sample(chunk, conditioning, settings).images
-        images = to_png(pixels)
         scored = rewards.score(RewardBatch(
             images=to_pil(pixels),
             prompts=[r.prompt for r in chunk],
@@ -92,25 +117,13 @@ def evaluate(
             "sample_id": pa.array([r.sample_id for r in chunk], pa.string()),
             "prompt": pa.array([r.prompt for r in chunk], pa.string()),
             "ground_truth": pa.array([r.ground_truth for r in chunk], pa.string()),
-            "image": pa.array(images, pa.binary()),
+            "image": pa.array(to_png(pixels), pa.binary()),
             **{n: pa.array(scored.columns[n], pa.float64()) for n in scored.names},
             "reward": pa.array(scored.reward, pa.float64()),
             "reward_error": pa.array(scored.reward_error, pa.string()),
         }
         tables.append(pa.table(columns))
-    part = part_name(info.rank, info.world_size)
-    write_table(writer.part_path(part), pa.concat_tables(tables))
-    seconds = time.perf_counter() - started
-    barrier()
-    if not info.is_main:
-        return {}
-    parts = [part_name(r, info.world_size) for r in range(info.world_size)]
-    table = read_table([folder / p for p in parts])
-    metrics = _metrics(table, seconds)
-    atomic_write_json(folder / "metrics.json", metrics)
-    _write_grid(run, iteration, table)
-    writer.finish(parts, counts={"images": table.num_rows})
-    return metrics
+    return pa.concat_tables(tables)
 
 
 def _metrics(table: pa.Table, seconds: float) -> dict[str, float]:
@@ -136,10 +149,3 @@ def _write_grid(run: RunDir, iteration: int, table: pa.Table) -> None:
     rows = table.slice(0, GRID_IMAGES).to_pylist()
     items = [GridItem(r["image"], r["prompt"], r["ground_truth"], r["reward"]) for r in rows]
     atomic_write_bytes(run.root / "samples" / f"eval-iter-{iteration:06d}.png", make_grid(items))
-
-
-def _read_metrics(folder) -> dict[str, float]:
-    import json
-
-    path = folder / "metrics.json"
-    return json.loads(path.read_text()) if read_manifest(folder) and path.is_file() else {}

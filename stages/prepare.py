@@ -16,7 +16,14 @@ from typing import Any
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.prompts import PromptRow, format_problems, read_prompt_file
-from flowgrpo_cli.store.rundir import RunDir, StageWriter, atomic_file, read_manifest, sha256_file
+from flowgrpo_cli.store.rundir import (
+    PREPARE,
+    RunDir,
+    StageWriter,
+    atomic_file,
+    read_manifest,
+    sha256_file,
+)
 
 SPLITS = ("train", "test")
 COLUMNS = ("prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source")
@@ -105,8 +112,8 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
     train_path = Path(data.train)
     test_path = Path(data.test) if data.test else None
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
-    identity = {"config": config_hash(config, STAGE_SECTIONS["prepare"]), "inputs": inputs}
-    writer = StageWriter(run.data_dir, "prepare", identity)
+    identity = {"config": config_hash(config, STAGE_SECTIONS[PREPARE.name]), "inputs": inputs}
+    writer = StageWriter(run.data_dir, PREPARE.name, identity)
     if not writer.begin():
         return read_manifest(run.data_dir)
 

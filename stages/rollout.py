@@ -11,23 +11,24 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import fields
 
 from flowgrpo_cli.algorithm.schedule import StepSchedule, build_step_schedule
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.launch.distributed import DistInfo, barrier, broadcast_object, dist_info
+from flowgrpo_cli.launch.distributed import DistInfo, dist_info
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.rundir import (
+    PREPARE,
+    ROLLOUT,
     RunDir,
     StageWriter,
-    atomic_write_json,
     manifest_hash,
     part_name,
-    read_manifest,
     require_manifest,
 )
 from flowgrpo_cli.store.seeding import derive_seed
@@ -38,8 +39,6 @@ from flowgrpo_cli.store.trajectory import (
     to_record_batch,
     write_table,
 )
-
-STAGE = "rollout"
 
 
 def select_prompts(num_prompts: int, per_iteration: int, seed: int, iteration: int) -> list[int]:
@@ -125,107 +124,111 @@ def build_requests(
     return requests
 
 
-@dataclass(frozen=True)
-class RolloutResult:
-    manifest: dict[str, Any]
-    metrics: dict[str, float]
-
-
 def run(
     config: Config,
     run: RunDir,
     iteration: int,
     engine: RolloutEngine,
     progress: Progress | None = None,
-) -> RolloutResult:
+) -> StageResult:
     """Write this rank's parts of iteration `iteration`'s rollout (skipping finished ones)."""
     progress = progress or NullProgress()
     info = dist_info()
-    stage_dir = run.stage_dir(iteration, STAGE)
-    require_manifest(run.data_dir, "prepare")
+    require_manifest(run.data_dir, PREPARE.command)
     identity = {
-        "config": config_hash(config, STAGE_SECTIONS[STAGE]),
+        "config": config_hash(config, STAGE_SECTIONS[ROLLOUT.name]),
         "data": manifest_hash(run.data_dir),
         "policy": engine.version,
         "iteration": iteration,
         "world_size": info.world_size,
     }
-    writer = StageWriter(stage_dir, STAGE, identity)
-    # Rank 0 alone prepares the folder (it may delete stale parts); the others wait for it.
-    fresh = broadcast_object(writer.begin() if info.is_main else None)
-    if not fresh:
-        return RolloutResult(read_manifest(stage_dir), {})
-    groups = rank_groups(config.algorithm.prompts_per_iteration, info)
-    requests = build_requests(config, run, iteration, groups)
+    writer = StageWriter(run.stage_dir(iteration, ROLLOUT), ROLLOUT.name, identity)
     settings = sampler_settings(config, iteration)
-    part = part_name(info.rank, info.world_size)
-    conditioning_part = part_name(info.rank, info.world_size).replace("part-", "conditioning-")
-    started = time.perf_counter()
-    produced = 0
-    if not (writer.has_part(part) and writer.has_part(conditioning_part)):
-        conditioning = engine.encode(requests)
-        progress.start(f"rollout iter {iteration}", total=len(requests))
-        # Batch k's PNG encoding and part write run on a second thread while batch k + 1
-        # samples: CPU work that an accelerator (or a second core) would otherwise wait for.
-        # One batch in flight bounds the memory; an error on either thread ends the stage, and
-        # the `with` waits for the writer before the part is closed or discarded.
-        with (
-            ArrowPartWriter(writer.part_path(part)) as out,
-            ThreadPoolExecutor(1, thread_name_prefix="rollout-writer") as writer_thread,
-        ):
-            pending: Future | None = None
-            for chunk in batches(requests, config.sampler.batch_size):
-                sampled = _on_cpu(engine.sample(chunk, conditioning, settings))
-                if pending is not None:
-                    pending.result()
-                pending = writer_thread.submit(_write_batch, out, chunk, sampled, settings)
-                produced += len(chunk)
-                progress.advance(len(chunk))
+    parts = [part_name(r, info.world_size) for r in range(info.world_size)]
+
+    def sample_my_parts() -> dict[str, float]:
+        requests = build_requests(
+            config, run, iteration, rank_groups(config.algorithm.prompts_per_iteration, info)
+        )
+        started = time.perf_counter()
+        produced = _sample_part(
+            writer, parts[info.rank], requests, engine, settings, config.sampler.batch_size,
+            progress, label=f"rollout iter {iteration}",
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+        return {
+            "rollout/seconds": seconds,
+            "rollout/images": float(produced),
+            "rollout/images_per_s": produced / seconds if produced and seconds > 0 else 0.0,
+        }
+
+    def finish(metrics: dict[str, float]) -> Finished:
+        manifest = RolloutManifest(
+            trajectory_parts=tuple(parts),
+            conditioning_parts=tuple(_conditioning_name(p) for p in parts),
+            policy_version=engine.version,
+            sampler=settings,
+            sigmas=tuple(float(s) for s in engine.sigmas(settings)),
+            dtype=config.model.dtype,
+            identity=identity,
+        )
+        algorithm = config.algorithm
+        return Finished(
+            metrics=metrics,
+            parts=[*manifest.trajectory_parts, *manifest.conditioning_parts],
+            counts={
+                "images": algorithm.prompts_per_iteration * algorithm.group_size,
+                "groups": algorithm.prompts_per_iteration,
+                "group_size": algorithm.group_size,
+            },
+            extra=manifest.fields(),
+        )
+
+    return run_stage(writer, sample_my_parts, finish)
+
+
+def _conditioning_name(part: str) -> str:
+    return part.replace("part-", "conditioning-")
+
+
+def _sample_part(
+    writer: StageWriter,
+    part: str,
+    requests: list[SampleRequest],
+    engine: RolloutEngine,
+    settings: SamplerSettings,
+    batch_size: int,
+    progress: Progress,
+    *,
+    label: str,
+) -> int:
+    """Sample `requests` into the trajectory part `part` and its conditioning part (kept when
+    a killed run left both finished); returns the number of images sampled."""
+    conditioning_part = _conditioning_name(part)
+    if writer.has_part(part) and writer.has_part(conditioning_part):
+        return 0
+    conditioning = engine.encode(requests)
+    progress.start(label, total=len(requests))
+    # Batch k's PNG encoding and part write run on a second thread while batch k + 1 samples:
+    # CPU work that an accelerator (or a second core) would otherwise wait for. One batch in
+    # flight bounds the memory; an error on either thread ends the stage, and the `with` waits
+    # for the writer before the part is closed or discarded.
+    with (
+        ArrowPartWriter(writer.part_path(part)) as out,
+        ThreadPoolExecutor(1, thread_name_prefix="rollout-writer") as writer_thread,
+    ):
+        pending: Future | None = None
+        for chunk in batches(requests, batch_size):
+            sampled = _on_cpu(engine.sample(chunk, conditioning, settings))
             if pending is not None:
                 pending.result()
-        write_table(writer.part_path(conditioning_part), _conditioning_table(conditioning))
-        progress.finish()
-    seconds = time.perf_counter() - started
-    barrier()
-    metrics = {
-        "rollout/seconds": seconds,
-        "rollout/images": float(produced),
-        "rollout/images_per_s": produced / seconds if produced and seconds > 0 else 0.0,
-    }
-    if not info.is_main:
-        barrier()  # until rank 0 has written the manifest: the next stage reads it
-        return RolloutResult({}, metrics)
-    world = info.world_size
-    parts = [part_name(r, world) for r in range(world)]
-    conditioning_parts = [p.replace("part-", "conditioning-") for p in parts]
-    atomic_write_json(stage_dir / "metrics.json", metrics)
-    schedule = settings.schedule
-    manifest = writer.finish(
-        parts + conditioning_parts,
-        counts={
-            "images": config.algorithm.prompts_per_iteration * config.algorithm.group_size,
-            "groups": config.algorithm.prompts_per_iteration,
-            "group_size": config.algorithm.group_size,
-        },
-        extra={
-            "trajectory_parts": parts,
-            "conditioning_parts": conditioning_parts,
-            "policy_version": engine.version,
-            "sampler": {
-                "kind": settings.kind,
-                "noise_level": settings.noise_level,
-                "guidance_scale": settings.guidance_scale,
-                "num_steps": schedule.num_steps,
-                "stochastic": list(schedule.stochastic),
-                "trained": list(schedule.trained),
-                "height": settings.height,
-                "width": settings.width,
-                "dtype": config.model.dtype,
-            },
-        },
-    )
-    barrier()
-    return RolloutResult(manifest, metrics)
+            pending = writer_thread.submit(_write_batch, out, chunk, sampled, settings)
+            progress.advance(len(chunk))
+        if pending is not None:
+            pending.result()
+    write_table(writer.part_path(conditioning_part), _conditioning_table(conditioning))
+    progress.finish()
+    return len(requests)
 
 
 def _on_cpu(sampled: SampledBatch) -> SampledBatch:

@@ -5,9 +5,9 @@ Each score part has one row per image: `sample_id`, one float column per reward,
 and says why in `reward_error`; `reward.on_error` then drops the sample, its whole group (the
 score stage leaves `reward` empty for every dropped sample, and the update skips those), or
 stops the stage. Groups never span parts, so the policy is applied part by part, and a re-run
-after a crash scores only the parts still missing. A `parts_scorer` (ray_launch.py: a pool of
-Ray tasks apart from the training ranks) may score the missing parts instead of the ranks: it
-calls `score_part` for each, wherever it runs.
+after a crash scores only the parts still missing. A `parts_scorer` (launch/ray_cluster.py: a
+pool of Ray tasks apart from the training ranks) may score the missing parts instead of the
+ranks: it calls `score_part` for each, wherever it runs.
 """
 
 from __future__ import annotations
@@ -15,34 +15,20 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import pyarrow as pa
 
-from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
+from flowgrpo_cli.launch.distributed import dist_info
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
-from flowgrpo_cli.store.rundir import (
-    RunDir,
-    StageWriter,
-    atomic_write_json,
-    manifest_hash,
-    read_manifest,
-    require_manifest,
-)
+from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, StageWriter, manifest_hash
 from flowgrpo_cli.store.trajectory import iter_batches, read_table, write_table
 
-STAGE = "scores"
 _READ_COLUMNS = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
 # Scores the named rollout parts (each with `score_part`) and returns the number of images.
 PartsScorer = Callable[[list[str], Progress], int]
-
-
-@dataclass(frozen=True)
-class ScoreStageResult:
-    manifest: dict[str, Any]
-    metrics: dict[str, float]
 
 
 def _reward_batches(path, progress: Progress):
@@ -81,7 +67,7 @@ def score_part(
     from flowgrpo_cli.rewards.commands import score_batches
 
     progress = progress or NullProgress()
-    rollout_dir, stage_dir = run.stage_dir(iteration, "rollout"), run.stage_dir(iteration, STAGE)
+    rollout_dir, stage_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
     sample_ids = read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
     progress.start(f"score {name}", total=len(sample_ids))
     scored = score_batches(
@@ -99,7 +85,7 @@ def run(
     rewards=None,
     progress: Progress | None = None,
     parts_scorer: PartsScorer | None = None,
-) -> ScoreStageResult:
+) -> StageResult:
     """Score this rank's rollout parts. `rewards`: a RewardSet kept open by the caller (the
     loop keeps OCR engines alive across iterations); built and closed here when None.
     `parts_scorer`: rank 0 hands it every missing part instead (the other ranks wait)."""
@@ -107,61 +93,61 @@ def run(
 
     progress = progress or NullProgress()
     info = dist_info()
-    rollout_dir, stage_dir = run.stage_dir(iteration, "rollout"), run.stage_dir(iteration, STAGE)
-    rollout = require_manifest(rollout_dir, "rollout")
+    rollout_dir = run.stage_dir(iteration, ROLLOUT)
+    parts = RolloutManifest.read(rollout_dir).trajectory_parts
     identity = {
-        "config": config_hash(config, STAGE_SECTIONS[STAGE]),
+        "config": config_hash(config, STAGE_SECTIONS[SCORE.name]),
         "rollout": manifest_hash(rollout_dir),
     }
-    writer = StageWriter(stage_dir, STAGE, identity)
-    if not broadcast_object(writer.begin() if info.is_main else None):
-        return ScoreStageResult(read_manifest(stage_dir), {})
-    parts = rollout["trajectory_parts"]
-    if parts_scorer is not None:
-        mine = list(parts) if info.is_main else []
-    else:
-        mine = [name for i, name in enumerate(parts) if i % info.world_size == info.rank]
-    missing = [name for name in mine if not writer.has_part(name)]
-    started = time.perf_counter()
-    scored_images = 0
-    if parts_scorer is not None:
-        scored_images = parts_scorer(missing, progress) if missing else 0
-    elif missing:
-        own_rewards = rewards is None
-        if own_rewards:
-            rewards = build_rewards_from_config(config.reward)
-        try:
-            for name in missing:
-                scored_images += score_part(config, run, iteration, name, rewards, progress)
-        finally:
+    writer = StageWriter(run.stage_dir(iteration, SCORE), SCORE.name, identity)
+
+    def score_my_parts() -> dict[str, float]:
+        nonlocal rewards
+        if parts_scorer is not None:
+            mine = list(parts) if info.is_main else []
+        else:
+            mine = [name for i, name in enumerate(parts) if i % info.world_size == info.rank]
+        missing = [name for name in mine if not writer.has_part(name)]
+        started = time.perf_counter()
+        scored_images = 0
+        if parts_scorer is not None:
+            scored_images = parts_scorer(missing, progress) if missing else 0
+        elif missing:
+            own_rewards = rewards is None
             if own_rewards:
-                rewards.close()
-    seconds = time.perf_counter() - started
-    barrier()
-    metrics = {
-        "score/seconds": seconds,
-        "score/images_per_s": scored_images / seconds if scored_images else 0.0,
-    }
-    if not info.is_main:
-        barrier()  # until rank 0 has written the manifest: the next stage reads it
-        return ScoreStageResult({}, metrics)
-    table = read_table([stage_dir / name for name in parts])
-    names = [c for c in table.column_names if c not in ("sample_id", "reward", "reward_error")]
-    errors = [e for e in table.column("reward_error").to_pylist() if e]
-    dropped = table.column("reward").null_count
-    metrics.update(
-        {"score/failed_images": float(len(errors)), "score/dropped_samples": float(dropped)}
-    )
-    atomic_write_json(stage_dir / "metrics.json", metrics)
-    manifest = writer.finish(
-        list(parts),
-        counts={"images": table.num_rows, "failed": len(errors), "dropped": dropped},
-        extra={"rewards": names, "weights": config.reward.weights,
-               "on_error": config.reward.on_error, "first_errors": errors[:5],
-               "stats": _stats(table, names)},
-    )  # fmt: skip
-    barrier()
-    return ScoreStageResult(manifest, metrics)
+                rewards = build_rewards_from_config(config.reward)
+            try:
+                for name in missing:
+                    scored_images += score_part(config, run, iteration, name, rewards, progress)
+            finally:
+                if own_rewards:
+                    rewards.close()
+        seconds = time.perf_counter() - started
+        return {
+            "score/seconds": seconds,
+            "score/images_per_s": scored_images / seconds if scored_images else 0.0,
+        }
+
+    def finish(metrics: dict[str, float]) -> Finished:
+        table = read_table([writer.dir / name for name in parts])
+        names = [c for c in table.column_names if c not in ("sample_id", "reward", "reward_error")]
+        errors = [e for e in table.column("reward_error").to_pylist() if e]
+        dropped = table.column("reward").null_count
+        metrics = {
+            **metrics,
+            "score/failed_images": float(len(errors)),
+            "score/dropped_samples": float(dropped),
+        }
+        return Finished(
+            metrics=metrics,
+            parts=list(parts),
+            counts={"images": table.num_rows, "failed": len(errors), "dropped": dropped},
+            extra={"rewards": names, "weights": config.reward.weights,
+                   "on_error": config.reward.on_error, "first_errors": errors[:5],
+                   "stats": _stats(table, names)},
+        )  # fmt: skip
+
+    return run_stage(writer, score_my_parts, finish)
 
 
 def _stats(table: pa.Table, names: list[str]) -> dict[str, dict[str, float | None]]:

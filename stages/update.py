@@ -18,7 +18,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -26,19 +26,25 @@ import torch
 
 from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
 from flowgrpo_cli.algorithm.loss import LossMetrics, kl_std, policy_loss
-from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS
+from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, StepOutput
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
-from flowgrpo_cli.models import Conditioning
+from flowgrpo_cli.launch.distributed import barrier, dist_info
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage
+from flowgrpo_cli.models import Conditioning, ModelAdapter
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.contract import RolloutManifest, ScoreManifest
 from flowgrpo_cli.store.rundir import (
+    CHECKPOINT,
     MANIFEST,
+    ROLLOUT,
+    SCORE,
+    UPDATE,
     RunDir,
     StageWriter,
-    atomic_write_json,
     manifest_hash,
     read_manifest,
+    read_metrics,
     require_manifest,
     sha256_file,
 )
@@ -54,13 +60,7 @@ from flowgrpo_cli.store.trajectory import (
 from flowgrpo_cli.training.policy import weights_file
 from flowgrpo_cli.training.trainer import Trainer
 
-STAGE = "update"
-
-
-@dataclass(frozen=True)
-class UpdateResult:
-    manifest: dict[str, Any]
-    metrics: dict[str, float]
+ADVANTAGES = "advantages.arrow"
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class IterationData:
     they add no KL gradient either. advantages.arrow still lists every scored sample.
     """
 
+    rollout: RolloutManifest
     sample_ids: list[str]
     group_ids: torch.Tensor  # [N] int64
     advantages: torch.Tensor  # [N] float32
@@ -81,34 +82,25 @@ class IterationData:
     table: pa.Table  # sample_id, group_id, reward, advantage: written as advantages.arrow
 
 
-def _stage_dirs(run: RunDir, iteration: int):
-    return (
-        run.stage_dir(iteration, "rollout"),
-        run.stage_dir(iteration, "scores"),
-        run.stage_dir(iteration, STAGE),
-        run.checkpoint_dir(iteration),
-    )
-
-
 def load_iteration(
     config: Config, run: RunDir, iteration: int, policy_version: str
 ) -> IterationData:
-    rollout_dir, scores_dir, _, _ = _stage_dirs(run, iteration)
-    rollout = require_manifest(rollout_dir, "rollout")
-    scores = require_manifest(scores_dir, "score")
-    if rollout["identity"]["config"] != config_hash(config, STAGE_SECTIONS["rollout"]):
+    rollout_dir, scores_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
+    rollout = RolloutManifest.read(rollout_dir)
+    scores = ScoreManifest.read(scores_dir)
+    if rollout.identity["config"] != config_hash(config, STAGE_SECTIONS[ROLLOUT.name]):
         raise FlowGrpoError(
             f"{rollout_dir} was sampled with another config or model than this update's; "
             "delete that iteration folder to redo it"
         )
-    if rollout["policy_version"] != policy_version:
+    if rollout.policy_version != policy_version:
         raise FlowGrpoError(
-            f"{rollout_dir} was sampled with policy {rollout['policy_version']}, but the policy "
+            f"{rollout_dir} was sampled with policy {rollout.policy_version}, but the policy "
             f"to update is {policy_version}: the rollout is stale; delete it and roll out again"
         )
-    parts = [rollout_dir / name for name in rollout["trajectory_parts"]]
+    parts = [rollout_dir / name for name in rollout.trajectory_parts]
     samples = read_table(parts, ["sample_id", "group_id"])
-    score_table = read_table([scores_dir / p["name"] for p in scores["parts"]])
+    score_table = read_table([scores_dir / name for name in scores.parts])
     by_id = {sid: i for i, sid in enumerate(score_table.column("sample_id").to_pylist())}
     sample_ids = samples.column("sample_id").to_pylist()
     missing = [sid for sid in sample_ids if sid not in by_id]
@@ -133,7 +125,7 @@ def load_iteration(
         name: torch.from_numpy(
             np.array(score_table.column(name).to_numpy(zero_copy_only=False), float)[order]
         )[kept]
-        for name in scores["rewards"]
+        for name in scores.rewards
     }
     metrics = data_metrics(
         per_reward, total, group_ids, advantages, clip=config.algorithm.advantage_clip
@@ -154,8 +146,8 @@ def load_iteration(
     trained_ids = [sid for sid, t in zip(kept_ids, trained.tolist(), strict=True) if t]
     metrics["update/samples_trained"] = float(len(trained_ids))
     return IterationData(
-        trained_ids, group_ids[trained], advantages[trained], _locate(parts, set(trained_ids)),
-        metrics, table,
+        rollout, trained_ids, group_ids[trained], advantages[trained],
+        _locate(parts, set(trained_ids)), metrics, table,
     )  # fmt: skip
 
 
@@ -170,12 +162,18 @@ def _locate(parts, wanted: set[str]) -> list[tuple[int, int, int]]:
     return out
 
 
-class SampleReader:
-    """Micro-batches of trajectory rows, read from the memory-mapped parts on demand."""
+class StoredSamples:
+    """The samples an update trains on, read micro-batch by micro-batch from the memory-mapped
+    rollout parts, with the text conditioning rollout stored once per group."""
 
-    def __init__(self, parts, locations):
-        self.readers = [open_part(p) for p in parts]
-        self.locations = locations
+    def __init__(self, rollout_dir: Path, data: IterationData):
+        rollout = data.rollout
+        self.folder = rollout_dir
+        self.readers = [open_part(rollout_dir / name) for name in rollout.trajectory_parts]
+        self.conditioning = read_conditioning(
+            [rollout_dir / name for name in rollout.conditioning_parts]
+        )
+        self.locations = data.locations
 
     def rows(self, indices: list[int]) -> TrajectoryRows:
         """The rows of `indices`, in that order."""
@@ -193,6 +191,44 @@ class SampleReader:
         in_order = merged.take(pa.array(np.argsort(positions)))
         return from_record_batch(in_order.to_batches()[0])
 
+    def conditioning_of(self, rows: TrajectoryRows, device: torch.device) -> Conditioning:
+        return Conditioning.cat(
+            [
+                Conditioning({k: v.unsqueeze(0) for k, v in self.conditioning[g].items()})
+                for g in rows.group_ids
+            ]
+        ).to(device)
+
+
+def stored_step(
+    adapter: ModelAdapter,
+    rollout: RolloutManifest,
+    rows: TrajectoryRows,
+    position: int,
+    cond: Conditioning,
+    device: torch.device,
+) -> StepOutput:
+    """Trajectory step `position` of `rows` recomputed under the adapter's current weights:
+    the velocity, then the step rollout took, scoring the stored next latent (log-prob, mean).
+
+    The one velocity-plus-step of the update: its policy pass, its reference pass (called
+    inside the trainer's reference context) and the old-log-prob recompute all come here, with
+    the sampler settings and sigmas the rollout manifest recorded.
+    """
+    sampler = rollout.sampler
+    x = rows.latents[:, position].to(device)  # [B, ...]
+    sigma = rows.timesteps[:, position].to(device)  # [B]
+    v = adapter.velocity(x, sigma, cond, guidance_scale=sampler.guidance_scale)
+    return STEP_FUNCTIONS[sampler.kind](
+        x,
+        v,
+        sigma,
+        rows.timesteps_next[:, position].to(device),
+        noise_level=sampler.noise_level,
+        sigma_max_substitute=rollout.sigma_max_substitute,
+        next_latents=rows.latents[:, position + 1].to(device),
+    )
+
 
 def optimizer_batches(
     num_samples: int, config: Config, iteration: int, epoch: int
@@ -209,60 +245,73 @@ def optimizer_batches(
 
 def run(
     config: Config, run: RunDir, iteration: int, trainer: Trainer, progress: Progress | None = None
-) -> UpdateResult:
+) -> StageResult:
     progress = progress or NullProgress()
     info = dist_info()
-    rollout_dir, scores_dir, update_dir, checkpoint_dir = _stage_dirs(run, iteration)
+    rollout_dir, scores_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
+    update_dir, checkpoint_dir = run.stage_dir(iteration, UPDATE), run.checkpoint_dir(iteration)
     if read_manifest(checkpoint_dir) is not None and read_manifest(update_dir) is not None:
-        return UpdateResult(read_manifest(update_dir), {})
+        return StageResult(read_manifest(update_dir), read_metrics(update_dir), fresh=False)
     policy = trainer.policy
-    require_manifest(rollout_dir, "rollout")
-    require_manifest(scores_dir, "score")
+    require_manifest(rollout_dir, ROLLOUT.command)
+    require_manifest(scores_dir, SCORE.command)
     identity = {
-        "config": config_hash(config, STAGE_SECTIONS[STAGE]),
+        "config": config_hash(config, STAGE_SECTIONS[UPDATE.name]),
         "rollout": manifest_hash(rollout_dir),
         "scores": manifest_hash(scores_dir),
         "policy": policy.version,
     }
     if info.is_main:
         (update_dir / MANIFEST).unlink(missing_ok=True)  # the checkpoint is not done: redo
-    writer = StageWriter(update_dir, STAGE, identity)
-    broadcast_object(writer.begin() if info.is_main else None)
-    data = load_iteration(config, run, iteration, policy.version)
-    started = time.perf_counter()
-    train_metrics = _train(config, run, iteration, trainer, data, progress)
-    seconds = time.perf_counter() - started
-    trainer.state.iteration = iteration
-    trainer.state.config_hash = identity["config"]
-    files = trainer.save(checkpoint_dir)
-    barrier()
-    metrics = {
-        **data.metrics,
-        **train_metrics,
-        "update/seconds": seconds,
-        "update/samples_per_s": len(data.sample_ids) * config.train.inner_epochs / seconds,
-    }
-    manifest: dict[str, Any] = {}
-    if info.is_main:
-        write_table(writer.part_path("advantages.arrow"), data.table)
-        atomic_write_json(update_dir / "metrics.json", metrics)
-        manifest = writer.finish(["advantages.arrow"], counts={
-            "samples": len(data.sample_ids), "optimizer_steps": trainer.state.optimizer_steps,
-        }, extra={"checkpoint": str(checkpoint_dir.relative_to(run.root))})  # fmt: skip
-        checkpoint = StageWriter(checkpoint_dir, "checkpoint", identity)
-        checkpoint.finish(files, counts={"iteration": iteration})
+    writer = StageWriter(update_dir, UPDATE.name, identity)
+    loaded: list[IterationData] = []
+    saved: list[str] = []
+
+    def train() -> dict[str, float]:
+        data = load_iteration(config, run, iteration, policy.version)
+        loaded.append(data)
+        started = time.perf_counter()
+        metrics = _train(config, iteration, trainer, data, StoredSamples(rollout_dir, data),
+                         progress)  # fmt: skip
+        seconds = time.perf_counter() - started
+        trainer.state.iteration = iteration
+        trainer.state.config_hash = identity["config"]
+        saved.extend(trainer.save(checkpoint_dir))  # every rank gathers; rank 0 writes
+        return {
+            **data.metrics,
+            **metrics,
+            "update/seconds": seconds,
+            "update/samples_per_s": len(data.sample_ids) * config.train.inner_epochs / seconds,
+        }
+
+    def finish(metrics: dict[str, float]) -> Finished:
+        data = loaded[0]
+        write_table(writer.part_path(ADVANTAGES), data.table)
+        return Finished(
+            metrics=metrics,
+            parts=[ADVANTAGES],
+            counts={"samples": len(data.sample_ids),
+                    "optimizer_steps": trainer.state.optimizer_steps},
+            extra={"checkpoint": str(checkpoint_dir.relative_to(run.root))},
+        )  # fmt: skip
+
+    result = run_stage(writer, train, finish)
+    if info.is_main:  # written last: the checkpoint's manifest marks the iteration done
+        StageWriter(checkpoint_dir, CHECKPOINT.name, identity).finish(
+            saved, counts={"iteration": iteration}
+        )
     barrier()
     weights = checkpoint_dir / weights_file(policy.mode)
     policy.version = f"{checkpoint_dir.name}:{sha256_file(weights)[:16]}"
-    return UpdateResult(manifest, metrics)
+    return result
 
 
 def _train(
     config: Config,
-    run: RunDir,
     iteration: int,
     trainer: Trainer,
     data: IterationData,
+    samples: StoredSamples,
     progress: Progress,
 ) -> dict[str, float]:
     plan = _plan(len(data.sample_ids), config, iteration)
@@ -275,108 +324,36 @@ def _train(
             "update/optimizer_steps_skipped": float(skipped),
             "update/lr": trainer.learning_rate(),
         }
-    policy, adapter = trainer.policy, trainer.policy.adapter
-    rollout_dir = run.stage_dir(iteration, "rollout")
-    rollout = read_manifest(rollout_dir)
-    parts = [rollout_dir / name for name in rollout["trajectory_parts"]]
-    conditioning = read_conditioning([rollout_dir / n for n in rollout["conditioning_parts"]])
-    reader = SampleReader(parts, data.locations)
-    sampler = rollout["sampler"]
-    step_fn = STEP_FUNCTIONS[sampler["kind"]]
-    sigma_max_substitute = float(
-        adapter.sigmas(sampler["num_steps"], sampler["height"], sampler["width"])[1]
-    )
-    beta = config.algorithm.beta
-    world = dist_info().world_size
-    device = policy.device
-
     progress.start(
         f"update iter {iteration}", total=sum(len(m) for _, m in plan), unit="micro-batches"
     )
-
+    old_log_probs = (
+        _recompute_old_logprobs(config, trainer, data, samples)
+        if config.algorithm.recompute_old_logprobs
+        else None
+    )
     losses = LossMetrics()
     step_metrics: list[dict[str, float]] = []
-    gap: list[torch.Tensor] = []
-    old_override = (
-        _recompute_old_logprobs(reader, data, conditioning, trainer, step_fn,
-                                sigma_max_substitute, sampler, config)
-        if config.algorithm.recompute_old_logprobs else None
-    )  # fmt: skip
-    policy.transformer.train()
-    first_micro_batch = True
+    gap: torch.Tensor | None = None
+    trainer.policy.transformer.train()
     for batch_size, micro_batches in plan:
         for indices in micro_batches:
-            real = bool(indices)
-            indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
-            rows = reader.rows(indices)
-            positions = torch.nonzero(rows.trained[0]).flatten().tolist()
-            if not positions:
-                raise FlowGrpoError(f"{rollout_dir}: no trained step in the stored trajectories")
-            cond = _conditioning(conditioning, rows.group_ids, device)
-            advantages = data.advantages[indices].to(device)
-            weight = (len(indices) * world / (batch_size * len(positions))) if real else 0.0
-            for position in positions:
-                x = rows.latents[:, position].to(device)
-                x_next = rows.latents[:, position + 1].to(device)
-                sigma = rows.timesteps[:, position].to(device)
-                sigma_next = rows.timesteps_next[:, position].to(device)
-                v = adapter.velocity(x, sigma, cond, guidance_scale=sampler["guidance_scale"])
-                out = step_fn(
-                    x,
-                    v,
-                    sigma,
-                    sigma_next,
-                    noise_level=sampler["noise_level"],
-                    sigma_max_substitute=sigma_max_substitute,
-                    next_latents=x_next,
-                )
-                stored = rows.log_probs[:, position].to(device)
-                old = stored
-                if old_override is not None:
-                    old = torch.stack([old_override[(i, position)] for i in indices]).to(device)
-                if first_micro_batch:  # before any optimizer step: the on-policy check
-                    gap.append((out.log_prob.detach() - stored).abs())
-                ref_mean = None
-                if beta > 0:
-                    with torch.no_grad(), trainer.reference_context():
-                        v_ref = adapter.velocity(
-                            x, sigma, cond, guidance_scale=sampler["guidance_scale"]
-                        )
-                        ref_mean = step_fn(
-                            x,
-                            v_ref,
-                            sigma,
-                            sigma_next,
-                            noise_level=sampler["noise_level"],
-                            sigma_max_substitute=sigma_max_substitute,
-                            next_latents=x_next,
-                        ).mean
-                result = policy_loss(
-                    out.log_prob,
-                    old,
-                    advantages,
-                    clip_range=config.algorithm.clip_range,
-                    beta=beta,
-                    mean=out.mean if beta > 0 else None,
-                    ref_mean=ref_mean,
-                    std=kl_std(out, config.algorithm.kl_convention) if beta > 0 else None,
-                )
-                (result.loss * weight).backward()
-                if real:
-                    losses.add(result)
-            first_micro_batch = False
+            micro_gap = _backward_micro_batch(
+                config, trainer, data, samples, indices, batch_size, old_log_probs, losses
+            )
+            if gap is None:  # the first micro-batch, before any optimizer step
+                gap = micro_gap
             progress.advance(1)
         step_metrics.append(trainer.step())
     progress.finish()
-    policy.transformer.eval()
+    trainer.policy.transformer.eval()
     losses.all_reduce()
     metrics = losses.summary()
     # The KL's name says which divisor it has (the two differ by 1/|dt| for the SDE).
     metrics[f"update/kl_{config.algorithm.kl_convention}"] = metrics.pop("update/kl")
-    gaps = torch.cat(gap) if gap else torch.zeros(1)
     metrics.update({
-        "update/logprob_gap_max": float(gaps.max()),
-        "update/logprob_gap_mean": float(gaps.mean()),
+        "update/logprob_gap_max": float(gap.max()),
+        "update/logprob_gap_mean": float(gap.mean()),
         "update/grad_norm": float(np.mean([m["grad_norm"] for m in step_metrics])),
         "update/grad_norm_max": float(np.max([m["grad_norm"] for m in step_metrics])),
         "update/lr": step_metrics[-1]["lr"],
@@ -384,6 +361,82 @@ def _train(
         "update/optimizer_steps_skipped": float(skipped),
     })  # fmt: skip
     return metrics
+
+
+def _backward_micro_batch(
+    config: Config,
+    trainer: Trainer,
+    data: IterationData,
+    samples: StoredSamples,
+    indices: list[int],
+    batch_size: int,
+    old_log_probs: dict[tuple[int, int], torch.Tensor] | None,
+    losses: LossMetrics,
+) -> torch.Tensor:
+    """Accumulate the gradient of one micro-batch's loss over its trained steps, weighted so
+    that an optimizer step's gradient is the mean over its samples and steps (over every
+    rank). Returns |new - stored log-prob| of its steps: the on-policy gap before a step."""
+    policy, beta = trainer.policy, config.algorithm.beta
+    world = dist_info().world_size
+    real = bool(indices)
+    indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
+    rows = samples.rows(indices)
+    positions = torch.nonzero(rows.trained[0]).flatten().tolist()
+    if not positions:
+        raise FlowGrpoError(f"{samples.folder}: no trained step in the stored trajectories")
+    cond = samples.conditioning_of(rows, policy.device)
+    advantages = data.advantages[indices].to(policy.device)
+    weight = (len(indices) * world / (batch_size * len(positions))) if real else 0.0
+    gaps = []
+    for position in positions:
+        out = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
+        stored = rows.log_probs[:, position].to(policy.device)
+        old = stored
+        if old_log_probs is not None:
+            old = torch.stack([old_log_probs[(i, position)] for i in indices]).to(policy.device)
+        gaps.append((out.log_prob.detach() - stored).abs())
+        ref_mean = None
+        if beta > 0:
+            with torch.no_grad(), trainer.reference_context():
+                ref = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
+                ref_mean = ref.mean
+        result = policy_loss(
+            out.log_prob,
+            old,
+            advantages,
+            clip_range=config.algorithm.clip_range,
+            beta=beta,
+            mean=out.mean if beta > 0 else None,
+            ref_mean=ref_mean,
+            std=kl_std(out, config.algorithm.kl_convention) if beta > 0 else None,
+        )
+        (result.loss * weight).backward()
+        if real:
+            losses.add(result)
+    return torch.cat(gaps)
+
+
+@torch.no_grad()
+def _recompute_old_logprobs(
+    config: Config, trainer: Trainer, data: IterationData, samples: StoredSamples
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Old log-probs under the current weights, before any step: (sample, step) -> logp.
+
+    Every rank computes them for every sample: the same forwards on every rank keep FSDP's
+    collectives aligned, and the result is small.
+    """
+    policy = trainer.policy
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    micro = config.train.micro_batch_size
+    for start in range(0, len(data.sample_ids), micro):
+        indices = list(range(start, min(start + micro, len(data.sample_ids))))
+        rows = samples.rows(indices)
+        cond = samples.conditioning_of(rows, policy.device)
+        for position in torch.nonzero(rows.trained[0]).flatten().tolist():
+            step = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
+            for i, index in enumerate(indices):
+                out[(index, position)] = step.log_prob[i].cpu()
+    return out
 
 
 def _plan(num_samples: int, config: Config, iteration: int) -> list[tuple[int, list[list[int]]]]:
@@ -401,44 +454,3 @@ def _plan(num_samples: int, config: Config, iteration: int) -> list[tuple[int, l
             count = math.ceil(math.ceil(len(batch) / info.world_size) / micro)
             plan.append((len(batch), [share[m * micro : (m + 1) * micro] for m in range(count)]))
     return plan
-
-
-def _conditioning(store, group_ids: list[int], device) -> Conditioning:
-    return Conditioning.cat(
-        [Conditioning({k: v.unsqueeze(0) for k, v in store[g].items()}) for g in group_ids]
-    ).to(device)
-
-
-@torch.no_grad()
-def _recompute_old_logprobs(
-    reader, data, conditioning, trainer, step_fn, sigma_max_substitute, sampler, config
-):
-    """Old log-probs under the current weights, before any step: (sample, step) -> logp.
-
-    Every rank computes them for every sample: the same forwards on every rank keep FSDP's
-    collectives aligned, and the result is small.
-    """
-    adapter, device = trainer.policy.adapter, trainer.policy.device
-    out: dict[tuple[int, int], torch.Tensor] = {}
-    mine = list(range(len(data.sample_ids)))
-    micro = config.train.micro_batch_size
-    for start in range(0, len(mine), micro):
-        indices = mine[start : start + micro]
-        rows = reader.rows(indices)
-        cond = _conditioning(conditioning, rows.group_ids, device)
-        for position in torch.nonzero(rows.trained[0]).flatten().tolist():
-            x = rows.latents[:, position].to(device)
-            sigma = rows.timesteps[:, position].to(device)
-            v = adapter.velocity(x, sigma, cond, guidance_scale=sampler["guidance_scale"])
-            result = step_fn(
-                x,
-                v,
-                sigma,
-                rows.timesteps_next[:, position].to(device),
-                noise_level=sampler["noise_level"],
-                sigma_max_substitute=sigma_max_substitute,
-                next_latents=rows.latents[:, position + 1].to(device),
-            )
-            for i, index in enumerate(indices):
-                out[(index, position)] = result.log_prob[i].cpu()
-    return out

@@ -6,6 +6,7 @@ import torch
 from flowgrpo_cli.stages import rollout, score, update
 
 from flowgrpo_cli.engines import build_engine
+from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weights
 from flowgrpo_cli.training.trainer import Trainer
 
@@ -51,7 +52,7 @@ def stored_rows(run, iteration: int = 0):
     from flowgrpo_cli.store.rundir import read_manifest
     from flowgrpo_cli.store.trajectory import from_record_batch, read_conditioning, read_table
 
-    folder = run.stage_dir(iteration, "rollout")
+    folder = run.stage_dir(iteration, ROLLOUT)
     manifest = read_manifest(folder)
     table = read_table([folder / p for p in manifest["trajectory_parts"]])
     rows = from_record_batch(table.combine_chunks().to_batches()[0])

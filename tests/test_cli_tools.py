@@ -5,6 +5,7 @@ from PIL import Image, ImageDraw, ImageFont
 from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE
 
 runner = CliRunner()
 
@@ -18,7 +19,7 @@ def test_inspect_run_iteration_stage_and_part(make_run, tmp_path):
     assert "current iteration: 0" in result.output and "done" in result.output
     result = runner.invoke(app, ["inspect", str(run.iteration_dir(0))])
     assert "rollout" in result.output and "scores" in result.output
-    rollout = run.stage_dir(0, "rollout")
+    rollout = run.stage_dir(0, ROLLOUT)
     result = runner.invoke(app, ["inspect", str(rollout), "--images", str(tmp_path / "png")])
     assert result.exit_code == 0, result.output
     assert "rows: 4 in 1 part(s)" in result.output
@@ -27,7 +28,7 @@ def test_inspect_run_iteration_stage_and_part(make_run, tmp_path):
     assert "latents" in result.output
     assert len(list((tmp_path / "png").glob("*.png"))) == 4
     assert len((tmp_path / "png" / "prompts.tsv").read_text().splitlines()) == 5
-    part = run.stage_dir(0, "scores") / "part-00000-of-00001.arrow"
+    part = run.stage_dir(0, SCORE) / "part-00000-of-00001.arrow"
     result = runner.invoke(app, ["inspect", str(part)])
     assert "jpeg_compressibility: double" in result.output
 
@@ -36,7 +37,7 @@ def test_inspect_verifies_each_part_against_its_manifest(make_run):
     config, run = make_run()
     do_rollout(config, run)
     do_score(config, run)
-    scores = run.stage_dir(0, "scores")
+    scores = run.stage_dir(0, SCORE)
     result = runner.invoke(app, ["inspect", str(scores)])
     assert "1 part(s) match their recorded size and sha256" in result.output
     part = scores / "part-00000-of-00001.arrow"

@@ -13,7 +13,7 @@ import pytest
 from flowgrpo_cli.loop import run_loop
 from flowgrpo_cli.reporting.report import write_report
 from flowgrpo_cli.store.metrics_log import read_log
-from flowgrpo_cli.store.rundir import read_manifest, verify_stage
+from flowgrpo_cli.store.rundir import ITERATION_STAGES, ROLLOUT, read_manifest, verify_stage
 
 ITERATIONS = 2
 
@@ -23,11 +23,11 @@ def test_two_iterations_end_to_end(make_run):
     summaries = run_loop(config, run, ITERATIONS)
     assert [s.iteration for s in summaries] == [0, 1]
     for iteration in range(ITERATIONS):
-        for stage in ("rollout", "scores", "update"):
+        for stage in ITERATION_STAGES:
             verify_stage(run.stage_dir(iteration, stage))
         verify_stage(run.checkpoint_dir(iteration))
         assert run.samples_path(iteration).is_file()
-        rollout = read_manifest(run.stage_dir(iteration, "rollout"))
+        rollout = read_manifest(run.stage_dir(iteration, ROLLOUT))
         expected = "base" if iteration == 0 else "iter-000000:"
         assert rollout["policy_version"].startswith(expected)
     for iteration in range(ITERATIONS + 1):  # the base, after 1 and after 2 iterations
@@ -126,7 +126,7 @@ def test_loop_as_two_ranks(make_run):
          "--iterations", "1", "--nproc", "2"], capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert len(read_manifest(run.stage_dir(0, "rollout"))["trajectory_parts"]) == 2
+    assert len(read_manifest(run.stage_dir(0, ROLLOUT))["trajectory_parts"]) == 2
     assert read_manifest(run.checkpoint_dir(0)) is not None
 
 

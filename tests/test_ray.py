@@ -1,4 +1,4 @@
-"""The Ray backend (ray_launch.py) on a local Ray cluster this module starts and stops.
+"""The Ray backend (launch/ray_cluster.py) on a local Ray cluster this module starts and stops.
 
 One cluster for the whole module: 2 CPUs, its temp dir, HOME and token inside the module's tmp
 folder, a fresh auth token in the environment (nothing under ~/.ray). The commands run as
@@ -47,7 +47,7 @@ PROMPTS = [
 PLUGIN_MODULE = "fg_ray_test_plugin"
 PLUGIN = '''"""Reward 0 for every image. Logs who scored (the rank, or `task` in a Ray task) to
 $FLOWGRPO_TEST_SCORE_LOG; in rank 1, SIGKILLs its own process while $FLOWGRPO_TEST_KILL exists.
-(FLOWGRPO_* variables of the command reach Ray workers: ray_launch forwards them.)"""
+(FLOWGRPO_* variables of the command reach Ray workers: ray_cluster forwards them.)"""
 import os
 import signal
 

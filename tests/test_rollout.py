@@ -18,14 +18,14 @@ from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import DistInfo
-from flowgrpo_cli.store.rundir import StageWriter, read_manifest
+from flowgrpo_cli.store.rundir import ROLLOUT, StageWriter, read_manifest
 from flowgrpo_cli.store.trajectory import from_record_batch, iter_batches, read_conditioning
 
 FAMILIES = ["sd3", "flux", "qwenimage"]
 
 
 def rows_of(run, iteration=0):
-    folder = run.stage_dir(iteration, "rollout")
+    folder = run.stage_dir(iteration, ROLLOUT)
     manifest = read_manifest(folder)
     batches = iter_batches([folder / p for p in manifest["trajectory_parts"]])
     return [from_record_batch(b) for b in batches], manifest
@@ -48,7 +48,7 @@ def test_rollout_writes_trajectories_and_manifest(make_run):
     assert Image.open(io.BytesIO(rows.images[0])).size == (64, 64)
     assert result.metrics["rollout/images"] == 4.0
     conditioning = read_conditioning(
-        [run.stage_dir(0, "rollout") / "conditioning-00000-of-00001.arrow"]
+        [run.stage_dir(0, ROLLOUT) / "conditioning-00000-of-00001.arrow"]
     )
     assert sorted(conditioning) == [0, 1]
 
@@ -59,8 +59,8 @@ def test_same_command_twice_gives_the_same_files(make_run):
     do_rollout(config, run)
     do_rollout(config_b, run_b)
     for name in ("part-00000-of-00001.arrow", "conditioning-00000-of-00001.arrow"):
-        assert (run.stage_dir(0, "rollout") / name).read_bytes() == (
-            run_b.stage_dir(0, "rollout") / name
+        assert (run.stage_dir(0, ROLLOUT) / name).read_bytes() == (
+            run_b.stage_dir(0, ROLLOUT) / name
         ).read_bytes()
 
 
@@ -104,12 +104,12 @@ def test_interrupted_rollout_finishes_only_the_missing_part(make_run, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         do_rollout(config, run, policy=policy)
     monkeypatch.undo()
-    part = run.stage_dir(0, "rollout") / "part-00000-of-00001.arrow"
+    part = run.stage_dir(0, ROLLOUT) / "part-00000-of-00001.arrow"
     inode = os.stat(part).st_ino
-    assert read_manifest(run.stage_dir(0, "rollout")) is None
+    assert read_manifest(run.stage_dir(0, ROLLOUT)) is None
     do_rollout(config, run, policy=policy)
     assert os.stat(part).st_ino == inode  # kept, not rewritten
-    assert read_manifest(run.stage_dir(0, "rollout")) is not None
+    assert read_manifest(run.stage_dir(0, ROLLOUT)) is not None
 
 
 @pytest.mark.parametrize("thread", ["writer", "sampler"])
@@ -136,7 +136,7 @@ def test_an_error_on_either_thread_leaves_no_part(make_run, monkeypatch, thread)
         monkeypatch.setattr(rollout, "to_record_batch", write)
     with pytest.raises(RuntimeError, match="encoding" if thread == "writer" else "sampling"):
         rollout.run(config, run, 0, engine)
-    folder = run.stage_dir(0, "rollout")
+    folder = run.stage_dir(0, ROLLOUT)
     assert not list(folder.glob("part-*")) and read_manifest(folder) is None
     monkeypatch.undo()
     do_rollout(config, run, policy=policy)

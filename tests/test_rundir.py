@@ -13,6 +13,7 @@ import pytest
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import (
+    ROLLOUT,
     RunDir,
     RunLock,
     StageWriter,
@@ -36,7 +37,7 @@ def write_stage(stage_dir, parts, identity=IDENTITY):
 
 def test_layout_names():
     run = RunDir(Path("runs/x"))
-    assert run.stage_dir(7, "rollout").as_posix() == "runs/x/iter-000007/rollout"
+    assert run.stage_dir(7, ROLLOUT).as_posix() == "runs/x/iter-000007/rollout"
     assert run.checkpoint_dir(7).as_posix() == "runs/x/checkpoints/iter-000007"
     assert run.samples_path(7).as_posix() == "runs/x/samples/iter-000007.png"
     assert part_name(0, 4) == "part-00000-of-00004.arrow"

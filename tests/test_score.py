@@ -4,7 +4,7 @@ import pytest
 from helpers import do_rollout, do_score
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store.rundir import read_manifest
+from flowgrpo_cli.store.rundir import SCORE, read_manifest
 from flowgrpo_cli.store.trajectory import read_table
 
 # Fails on the second image of group 1: a NaN score is an error for that image alone.
@@ -17,7 +17,7 @@ def score(images, prompts, metadata):
 
 
 def scores_of(run, iteration=0):
-    folder = run.stage_dir(iteration, "scores")
+    folder = run.stage_dir(iteration, SCORE)
     manifest = read_manifest(folder)
     return read_table([folder / p["name"] for p in manifest["parts"]]).to_pydict(), manifest
 
@@ -79,7 +79,7 @@ def test_stop_names_the_sample_and_writes_no_manifest(plugin_run):
     config, run = plugin_run("stop")
     with pytest.raises(FlowGrpoError, match="i000000-g0001-k001"):
         do_score(config, run)
-    assert read_manifest(run.stage_dir(0, "scores")) is None
+    assert read_manifest(run.stage_dir(0, SCORE)) is None
 
 
 def test_score_needs_a_finished_rollout(make_run):

@@ -21,7 +21,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store.rundir import read_manifest
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, UPDATE, read_manifest
 from flowgrpo_cli.store.trajectory import read_table, write_table
 from flowgrpo_cli.training.policy import load_weights
 from flowgrpo_cli.training.trainer import Trainer
@@ -41,10 +41,10 @@ def test_first_micro_batch_is_on_policy_and_files_are_written(make_run):
         "optimizer.safetensors",
         "trainer_state.json",
     } <= names
-    advantages = read_table([run.stage_dir(0, "update") / "advantages.arrow"]).to_pydict()
+    advantages = read_table([run.stage_dir(0, UPDATE) / "advantages.arrow"]).to_pydict()
     assert len(advantages["sample_id"]) == 4
     assert sum(advantages["advantage"]) == pytest.approx(0.0, abs=1e-5)
-    saved = json.loads((run.stage_dir(0, "update") / "metrics.json").read_text())
+    saved = json.loads((run.stage_dir(0, UPDATE) / "metrics.json").read_text())
     assert saved["update/logprob_gap_max"] == metrics["update/logprob_gap_max"]
     assert run.current_iteration() == 1
 
@@ -60,7 +60,7 @@ def test_one_step_moves_log_probs_toward_the_advantage(make_run):
     before, rows = recompute_log_probs(policy, config, run)
     do_update(config, run, policy=policy)
     after, _ = recompute_log_probs(policy, config, run)
-    advantages = read_table([run.stage_dir(0, "update") / "advantages.arrow"]).to_pydict()
+    advantages = read_table([run.stage_dir(0, UPDATE) / "advantages.arrow"]).to_pydict()
     sign = dict(zip(advantages["sample_id"], np.sign(advantages["advantage"]), strict=True))
     trained = rows.trained[0]
     moved = (after - before)[:, trained].sum(dim=1)
@@ -182,7 +182,7 @@ def test_second_iteration_resumes_from_the_checkpoint(make_run):
     config, run = make_run()
     do_iteration(config, run, 0)
     do_rollout(config, run, 1)
-    manifest = read_manifest(run.stage_dir(1, "rollout"))
+    manifest = read_manifest(run.stage_dir(1, ROLLOUT))
     assert manifest["policy_version"].startswith("iter-000000:")
     do_score(config, run, 1)
     result, trainer = do_update(config, run, 1)
@@ -212,7 +212,7 @@ def test_missing_scores_are_refused(make_run):
     config, run = make_run()
     do_rollout(config, run)
     do_score(config, run)
-    part = run.stage_dir(0, "scores") / "part-00000-of-00001.arrow"
+    part = run.stage_dir(0, SCORE) / "part-00000-of-00001.arrow"
     write_table(part, read_table([part]).slice(0, 3))
     with pytest.raises(FlowGrpoError, match="no score for 1 sample"):
         do_update(config, run)
@@ -222,7 +222,7 @@ def test_non_finite_rewards_stop_before_a_checkpoint(make_run):
     config, run = make_run()
     do_rollout(config, run)
     do_score(config, run)
-    part = run.stage_dir(0, "scores") / "part-00000-of-00001.arrow"
+    part = run.stage_dir(0, SCORE) / "part-00000-of-00001.arrow"
     table = read_table([part])
     rewards = table.column("reward").to_pylist()
     rewards[2] = float("inf")

@@ -4,7 +4,7 @@ One process per device. `--nproc N` re-runs the same command under torch.distrib
 launcher (the elastic agent behind torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR for
 each child; the parent
 only waits. `--ray-address` runs the same command in Ray Train workers instead
-(ray_launch.py), where Ray Train has set those variables and initialised the process group.
+(launch/ray_cluster.py), where Ray Train has set those variables and initialised the process group.
 Ranks use gloo on CPU and NCCL on GPU. Nothing here schedules work: every rank runs the same
 code on its own slice.
 """
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-# Set in each Ray Train worker (ray_launch.py): this process is a rank, even of a world of one.
+# Set in each Ray Train worker (launch/ray_cluster.py): this process is a rank, even of a world
+# of one.
 RAY_RANK_ENV = "FLOWGRPO_RAY_RANK"
 
 

@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any
 from flowgrpo_cli.errors import FlowGrpoError
 
 if TYPE_CHECKING:
+    from flowgrpo_cli.launch.stage import StageResult
     from flowgrpo_cli.reporting.progress import Progress
-    from flowgrpo_cli.stages.score import PartsScorer, ScoreStageResult
+    from flowgrpo_cli.stages.score import PartsScorer
     from flowgrpo_cli.store.config import Config
     from flowgrpo_cli.store.rundir import RunDir
 
@@ -312,7 +313,7 @@ def score_on_pool(
     *,
     address: str,
     progress: Progress | None = None,
-) -> ScoreStageResult:
+) -> StageResult:
     """`flowgrpo score` with distributed.score_tasks > 0: this process connects to the
     cluster, scores the iteration's missing parts as Ray tasks and writes the manifest."""
     from flowgrpo_cli.stages import score
@@ -379,12 +380,12 @@ def _score_part_task(config: Config, root: str, iteration: int, name: str) -> in
     """One Ray task: score rollout part `name` into its score part (written atomically)."""
     from flowgrpo_cli.rewards import build_rewards_from_config
     from flowgrpo_cli.stages import score
-    from flowgrpo_cli.store.rundir import RunDir
+    from flowgrpo_cli.store.rundir import ROLLOUT, RunDir
 
     run = RunDir(Path(root))
-    if not run.stage_dir(iteration, "rollout").is_dir():
+    if not run.stage_dir(iteration, ROLLOUT).is_dir():
         raise FlowGrpoError(
-            f"{run.stage_dir(iteration, 'rollout')} does not exist on {socket.gethostname()}: "
+            f"{run.stage_dir(iteration, ROLLOUT)} does not exist on {socket.gethostname()}: "
             "put the run on storage every node mounts at the same path"
         )
     with build_rewards_from_config(config.reward) as rewards:

@@ -10,10 +10,14 @@ from rich.console import Console
 from rich.table import Table
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store.rundir import MANIFEST, RunDir, read_manifest, verify_stage
+from flowgrpo_cli.store.rundir import (
+    ITERATION_STAGES,
+    MANIFEST,
+    RunDir,
+    read_manifest,
+    verify_stage,
+)
 from flowgrpo_cli.store.trajectory import iter_batches, open_part
-
-STAGES = ("rollout", "scores", "update")
 
 
 def describe(console: Console, path: Path, *, images_dir: Path | None = None) -> None:
@@ -51,11 +55,11 @@ def _verified(stage_dir: Path) -> str:
 def _describe_run(console: Console, run: RunDir) -> None:
     table = Table(title=f"run {run.root}", show_edge=False)
     table.add_column("iteration")
-    for stage in STAGES:
-        table.add_column(stage)
+    for stage in ITERATION_STAGES:
+        table.add_column(stage.folder)
     table.add_column("checkpoint")
     for number in run.iterations():
-        cells = [_status(run.stage_dir(number, stage)) for stage in STAGES]
+        cells = [_status(run.stage_dir(number, stage)) for stage in ITERATION_STAGES]
         table.add_row(str(number), *cells, _status(run.checkpoint_dir(number)))
     console.print(f"data: {_status(run.data_dir)}")
     console.print(table)
@@ -63,8 +67,8 @@ def _describe_run(console: Console, run: RunDir) -> None:
 
 
 def _describe_iteration(console: Console, folder: Path) -> None:
-    for stage in STAGES:
-        console.print(f"[bold]{stage}[/]: {_status(folder / stage)}")
+    for stage in ITERATION_STAGES:
+        console.print(f"[bold]{stage.folder}[/]: {_status(folder / stage.folder)}")
 
 
 def _describe_stage(console: Console, folder: Path, images_dir: Path | None) -> None:

@@ -8,26 +8,16 @@ the `tensorboard` package is installed (the `tensorboard` extra).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, read_manifest
-
-STAGE_FOLDERS = ("rollout", "scores", "update")
-
-
-def _read(folder: Path) -> dict[str, float]:
-    path = folder / "metrics.json"
-    if read_manifest(folder) is None or not path.is_file():
-        return {}
-    return json.loads(path.read_text())
+from flowgrpo_cli.store.rundir import ITERATION_STAGES, RunDir, atomic_write_bytes, read_metrics
 
 
 def iteration_metrics(run: RunDir, iteration: int) -> dict[str, Any]:
     line: dict[str, Any] = {"iteration": iteration}
-    for stage in STAGE_FOLDERS:
-        line.update(_read(run.stage_dir(iteration, stage)))
-    line.update(_read(run.eval_dir(iteration)))
+    for stage in ITERATION_STAGES:
+        line.update(read_metrics(run.stage_dir(iteration, stage)))
+    line.update(read_metrics(run.eval_dir(iteration)))
     return line
 
 

@@ -24,12 +24,32 @@ from flowgrpo_cli.errors import FlowGrpoError
 
 MANIFEST = "manifest.json"
 PENDING = "pending.json"
+METRICS = "metrics.json"
 SCHEMA_VERSION = 1
 _TMP_MARK = ".tmp-"
 
 
 # ---------------------------------------------------------------------------------------------
 # Layout
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kind of stage output: where it goes, and which command writes it."""
+
+    name: str  # the `stage` its manifest records; its key in config.STAGE_SECTIONS
+    folder: str  # its folder: under iter-N/ for the iteration stages
+    command: str  # the `flowgrpo` command that writes it
+
+
+PREPARE = Stage("prepare", "data", "prepare")
+ROLLOUT = Stage("rollout", "rollout", "rollout")
+SCORE = Stage("scores", "scores", "score")
+UPDATE = Stage("update", "update", "update")
+CHECKPOINT = Stage("checkpoint", "checkpoints", "update")
+EVAL = Stage("eval", "eval", "loop")
+#: The stages of one iteration, in order: the folders under iter-N/.
+ITERATION_STAGES = (ROLLOUT, SCORE, UPDATE)
 
 
 @dataclass(frozen=True)
@@ -44,7 +64,7 @@ class RunDir:
 
     @property
     def data_dir(self) -> Path:
-        return self.root / "data"
+        return self.root / PREPARE.folder
 
     @property
     def metrics_path(self) -> Path:
@@ -57,15 +77,15 @@ class RunDir:
     def iteration_dir(self, iteration: int) -> Path:
         return self.root / f"iter-{iteration:06d}"
 
-    def stage_dir(self, iteration: int, stage: str) -> Path:
-        return self.iteration_dir(iteration) / stage
+    def stage_dir(self, iteration: int, stage: Stage) -> Path:
+        return self.iteration_dir(iteration) / stage.folder
 
     def checkpoint_dir(self, iteration: int) -> Path:
-        return self.root / "checkpoints" / f"iter-{iteration:06d}"
+        return self.root / CHECKPOINT.folder / f"iter-{iteration:06d}"
 
     def eval_dir(self, iteration: int) -> Path:
         """The evaluation of the policy iteration `iteration` starts from (0: the base)."""
-        return self.root / "eval" / f"iter-{iteration:06d}"
+        return self.root / EVAL.folder / f"iter-{iteration:06d}"
 
     def samples_path(self, iteration: int) -> Path:
         return self.root / "samples" / f"iter-{iteration:06d}.png"
@@ -154,6 +174,14 @@ def require_manifest(stage_dir: Path, what: str) -> dict[str, Any]:
             f"finish; run `flowgrpo {what}` first"
         )
     return manifest
+
+
+def read_metrics(stage_dir: Path) -> dict[str, float]:
+    """The metrics a finished stage recorded beside its manifest ({} while unfinished)."""
+    path = stage_dir / METRICS
+    if read_manifest(stage_dir) is None or not path.is_file():
+        return {}
+    return json.loads(path.read_text())
 
 
 def manifest_hash(stage_dir: Path) -> str:

@@ -36,7 +36,7 @@ pytest.importorskip(
 from flowgrpo_cli.engines import ENGINES
 from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store.rundir import RunDir, read_manifest, sha256_file
+from flowgrpo_cli.store.rundir import ROLLOUT, UPDATE, RunDir, read_manifest, sha256_file
 
 ODE_PIXEL_TOL = 1  # max |difference| of 8-bit image values, noise level 0
 LATENT_TOL = 1e-4  # max |difference| of stored float32 latents, SDE
@@ -201,7 +201,7 @@ def test_ode_images_match_the_diffusers_engine(looped):
 def test_sde_log_probs_are_reproduced_by_the_update(looped):
     """The update recomputes the stored log-probs with the diffusers adapter: the gap metric."""
     for iteration in range(ITERATIONS):
-        metrics = (looped.run.stage_dir(iteration, "update") / "metrics.json").read_text()
+        metrics = (looped.run.stage_dir(iteration, UPDATE) / "metrics.json").read_text()
         gap = json.loads(metrics)["update/logprob_gap_max"]
         print(f"iteration {iteration}: update/logprob_gap_max {gap:.3g}")
         assert gap <= LOGPROB_GAP_TOL
@@ -215,7 +215,7 @@ def _resampled_by_diffusers(looped, iteration: int, weights_of: int):
     from flowgrpo_cli.store.trajectory import from_record_batch, iter_batches
 
     config, run = looped.config, looped.run
-    folder = run.stage_dir(iteration, "rollout")
+    folder = run.stage_dir(iteration, ROLLOUT)
     parts = [folder / name for name in read_manifest(folder)["trajectory_parts"]]
     engine = DiffusersEngine(
         _policy_at(config, run, weights_of),
@@ -258,7 +258,7 @@ def test_sde_trajectories_match_the_diffusers_engine(looped):
 def test_rollout_after_an_update_uses_the_new_lora_weights(looped):
     run = looped.run
     versions = [
-        read_manifest(run.stage_dir(i, "rollout"))["policy_version"] for i in range(ITERATIONS)
+        read_manifest(run.stage_dir(i, ROLLOUT))["policy_version"] for i in range(ITERATIONS)
     ]
     weights = run.checkpoint_dir(0) / "pytorch_lora_weights.safetensors"
     assert versions[0] == "base"
