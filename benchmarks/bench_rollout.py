@@ -264,6 +264,7 @@ def _profiled():
     import flowgrpo_cli.algorithm.sde as sde
     import flowgrpo_cli.engines.diffusers_engine as engine_module
     import flowgrpo_cli.engines.sampling as sampling
+    import flowgrpo_cli.launch.stage as stage_skeleton
     import flowgrpo_cli.models as models
     from flowgrpo_cli.models.base import Conditioning
     from flowgrpo_cli.models.sd3 import SD3Adapter
@@ -300,7 +301,7 @@ def _profiled():
         (rollout, "_conditioning_table", "conditioning table (.npy cells)"),
         (StageWriter, "begin", stage_files),
         (StageWriter, "finish", stage_files),
-        (rollout, "atomic_write_json", stage_files),
+        (stage_skeleton, "atomic_write_json", stage_files),
         (engine_module, "sample_batch", "sampling loop glue"),
         (engine_module.DiffusersEngine, "sample", "sampling loop glue"),
         (StableDiffusion3Pipeline, "__call__", "pipeline __call__ glue"),

@@ -245,6 +245,7 @@ def _profiled() -> SectionTimers:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     import flowgrpo_cli.algorithm.sde as sde
+    import flowgrpo_cli.launch.stage as stage_skeleton
     from flowgrpo_cli.algorithm.loss import LossMetrics
     from flowgrpo_cli.models.sd3 import SD3Adapter
     from flowgrpo_cli.store.rundir import StageWriter
@@ -263,7 +264,7 @@ def _profiled() -> SectionTimers:
         (update, "load_iteration", "load scores, advantages, locate rows"),
         (update, "read_conditioning", "read conditioning part"),
         (update.StoredSamples, "rows", "read micro-batch rows (mmap, take, copy)"),
-        (update, "_conditioning", "conditioning cat per micro-batch"),
+        (update.StoredSamples, "conditioning_of", "conditioning cat per micro-batch"),
         (SD3Transformer2DModel, "forward", forward_label),
         (SD3Adapter, "velocity", "velocity: CFG batching + guidance"),
         (update, "policy_loss", "policy loss (ratio, clip, KL)"),
@@ -276,7 +277,7 @@ def _profiled() -> SectionTimers:
         (StageWriter, "begin", files),
         (StageWriter, "finish", files),
         (update, "write_table", files),
-        (update, "atomic_write_json", files),
+        (stage_skeleton, "atomic_write_json", files),
         (update, "sha256_file", files),
         (update, "_train", "training loop glue"),
     ):
