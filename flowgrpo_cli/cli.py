@@ -253,77 +253,68 @@ def tiny_model(
     console.print(f"tiny {family} pipeline -> {path}")
 
 
-@app.command()
-@user_errors
-def rollout(
-    config: ConfigOpt = None,
-    run: RunOpt = None,
-    set_: SetOpt = None,
-    allow_config_change: AllowChangeOpt = False,
-    iteration: IterationOpt = None,
-    nproc: NprocOpt = None,
-    ray_address: RayAddressOpt = None,
-) -> None:
+def _stage_command(
+    body: Callable[[Any, int], None],
+    instead: Callable[[Any, int | None, str | None], bool] | None = None,
+) -> Callable[..., None]:
+    """A stage command: the options every stage shares, the run they resolve to, then
+    `body(resolved, iteration)` on every rank (this process, local ranks or Ray workers).
+    `instead` may take the command over first (score on a Ray task pool) by returning True."""
+
+    def command(
+        config: ConfigOpt = None,
+        run: RunOpt = None,
+        set_: SetOpt = None,
+        allow_config_change: AllowChangeOpt = False,
+        iteration: IterationOpt = None,
+        nproc: NprocOpt = None,
+        ray_address: RayAddressOpt = None,
+    ) -> None:
+        from flowgrpo_cli.store.runconfig import resolve_run
+
+        resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+        if instead is not None and instead(resolved, iteration, ray_address):
+            return
+        _run_ranks(
+            resolved, nproc, lambda: body(resolved, _iteration_of(resolved, iteration)), ray_address
+        )
+
+    command.__doc__ = body.__doc__
+    return user_errors(command)
+
+
+def _rollout(resolved: Any, number: int) -> None:
     """Sample groups of images with per-step log-probs -> RUN/iter-N/rollout/."""
-    from flowgrpo_cli.store.runconfig import resolve_run
+    from flowgrpo_cli.engines import build_engine, engine_class
+    from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
+    from flowgrpo_cli.stages import rollout as stage
+    from flowgrpo_cli.store.rundir import ROLLOUT
 
-    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
-
-    def body() -> None:
-        from flowgrpo_cli.engines import build_engine, engine_class
-        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
-        from flowgrpo_cli.stages import rollout as stage
-        from flowgrpo_cli.store.rundir import ROLLOUT
-
-        number = _iteration_of(resolved, iteration)
-        cfg = resolved.config
-        engine_class(cfg.sampler.engine)  # fails fast on a missing engine
-        policy = _load_policy_for(resolved, number)
-        engine = build_engine(cfg, policy)
-        progress = RichProgress() if _is_main() else NullProgress()
-        result = stage.run(cfg, resolved.run, number, engine, progress)
-        if _is_main():
-            folder = resolved.run.stage_dir(number, ROLLOUT)
-            console.print(
-                f"rollout iteration {number}: {result.manifest['counts']['images']} "
-                f"images -> {folder}",
-                highlight=False,
-            )
-
-    _run_ranks(resolved, nproc, body, ray_address)
+    cfg = resolved.config
+    engine_class(cfg.sampler.engine)  # fails fast on a missing engine
+    policy = _load_policy_for(resolved, number)
+    engine = build_engine(cfg, policy)
+    progress = RichProgress() if _is_main() else NullProgress()
+    result = stage.run(cfg, resolved.run, number, engine, progress)
+    if _is_main():
+        folder = resolved.run.stage_dir(number, ROLLOUT)
+        console.print(
+            f"rollout iteration {number}: {result.manifest['counts']['images']} images -> {folder}",
+            highlight=False,
+        )
 
 
-@app.command()
-@user_errors
-def score(
-    config: ConfigOpt = None,
-    run: RunOpt = None,
-    set_: SetOpt = None,
-    allow_config_change: AllowChangeOpt = False,
-    iteration: IterationOpt = None,
-    nproc: NprocOpt = None,
-    ray_address: RayAddressOpt = None,
-) -> None:
+def _score(resolved: Any, number: int) -> None:
     """Score an iteration's images with the configured rewards -> RUN/iter-N/scores/."""
-    from flowgrpo_cli.store.runconfig import resolve_run
+    from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
+    from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
+    from flowgrpo_cli.stages import score as stage
 
-    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
-
-    def body() -> None:
-        from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
-        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
-        from flowgrpo_cli.stages import score as stage
-
-        init_process_group(resolve_device("cpu"))
-        number = _iteration_of(resolved, iteration)
-        progress = RichProgress() if _is_main() else NullProgress()
-        result = stage.run(resolved.config, resolved.run, number, progress=progress)
-        if _is_main():
-            render_scores(console, result.manifest)
-
-    if _score_on_ray_pool(resolved, iteration, ray_address):
-        return
-    _run_ranks(resolved, nproc, body, ray_address)
+    init_process_group(resolve_device("cpu"))
+    progress = RichProgress() if _is_main() else NullProgress()
+    result = stage.run(resolved.config, resolved.run, number, progress=progress)
+    if _is_main():
+        render_scores(console, result.manifest)
 
 
 def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | None) -> bool:
@@ -347,38 +338,25 @@ def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | 
     return True
 
 
-@app.command()
-@user_errors
-def update(
-    config: ConfigOpt = None,
-    run: RunOpt = None,
-    set_: SetOpt = None,
-    allow_config_change: AllowChangeOpt = False,
-    iteration: IterationOpt = None,
-    nproc: NprocOpt = None,
-    ray_address: RayAddressOpt = None,
-) -> None:
+def _update(resolved: Any, number: int) -> None:
     """Advantages + clipped policy-gradient step -> RUN/iter-N/update/ and a checkpoint."""
-    from flowgrpo_cli.store.runconfig import resolve_run
+    from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
+    from flowgrpo_cli.stages import update as stage
+    from flowgrpo_cli.training.trainer import Trainer
 
-    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+    policy = _load_policy_for(resolved, number)
+    trainer = Trainer(resolved.config, policy)
+    if number > 0:
+        trainer.load(resolved.run.checkpoint_dir(number - 1))
+    progress = RichProgress() if _is_main() else NullProgress()
+    result = stage.run(resolved.config, resolved.run, number, trainer, progress)
+    if _is_main():
+        render_metrics(console, f"update iteration {number}", result.metrics)
 
-    def body() -> None:
-        from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
-        from flowgrpo_cli.stages import update as stage
-        from flowgrpo_cli.training.trainer import Trainer
 
-        number = _iteration_of(resolved, iteration)
-        policy = _load_policy_for(resolved, number)
-        trainer = Trainer(resolved.config, policy)
-        if number > 0:
-            trainer.load(resolved.run.checkpoint_dir(number - 1))
-        progress = RichProgress() if _is_main() else NullProgress()
-        result = stage.run(resolved.config, resolved.run, number, trainer, progress)
-        if _is_main():
-            render_metrics(console, f"update iteration {number}", result.metrics)
-
-    _run_ranks(resolved, nproc, body, ray_address)
+app.command("rollout")(_stage_command(_rollout))
+app.command("score")(_stage_command(_score, instead=_score_on_ray_pool))
+app.command("update")(_stage_command(_update))
 
 
 @app.command()
