@@ -13,6 +13,10 @@ read B:  the plain file read into memory and the same number of float32 bytes su
 
 Two more write sides explain the gap: Arrow without fsync and rename (`pa.ipc.new_file` on an
 open file), and the copy followed by an fsync.
+
+5c. What checking a part against its manifest adds to reading it: the stages now verify every
+input part (`verify_stage`: size and a streamed sha256) before reading it. A: verify, then the
+Arrow read of 5b; B: the Arrow read alone.
 """
 
 from __future__ import annotations
@@ -134,7 +138,23 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
         write_arrow()
     if not copy.exists():
         copy_file()
-    reads = alternate({"arrow": Side(read_arrow), "plain": Side(read_plain)}, reps=max(ctx.reps, 6))
+    from flowgrpo_cli.store.rundir import StageWriter, verify_stage
+
+    stage = StageWriter(folder, "bench", {})
+    stage.finish([part.name], counts={})
+
+    def verify_then_read_arrow() -> None:
+        verify_stage(folder)
+        read_arrow()
+
+    reads = alternate(
+        {
+            "arrow": Side(read_arrow),
+            "plain": Side(read_plain),
+            "verify + arrow": Side(verify_then_read_arrow),
+        },
+        reps=max(ctx.reps, 6),
+    )
     shape = f"{ROWS} rows, latents [{STEPS + 1}, {', '.join(map(str, LATENT))}] float32"
     report.rows.append(
         Row(
@@ -163,5 +183,18 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "both from the page cache: Arrow = open_part + every record batch + latents "
             "copied out (tensor_column) and summed; plain = the file read into memory and "
             f"the same {fmt_mb(latent_bytes)} of float32 summed; {max(ctx.reps, 6)} rounds",
+        )
+    )
+    report.rows.append(
+        Row(
+            "5c. verify a rollout part against its manifest, then read it, vs the read alone",
+            fmt_s(reads.median("verify + arrow")),
+            fmt_s(reads.median("arrow")),
+            reads.ratio_text("verify + arrow", "arrow"),
+            "<= 1.30x",
+            "yes" if reads.ratio("verify + arrow", "arrow") <= 1.30 else "no",
+            f"the {fmt_mb(size)} part of 5b from the page cache: size check + sha256 of the "
+            "whole file (what score and update now do to every input part, on rank 0), then "
+            f"the Arrow read of 5b; {max(ctx.reps, 6)} rounds",
         )
     )

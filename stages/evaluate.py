@@ -17,7 +17,7 @@ from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.engines.sampling import SamplerSettings
 from flowgrpo_cli.launch.distributed import dist_info
-from flowgrpo_cli.launch.stage import Finished, run_stage
+from flowgrpo_cli.launch.stage import Finished, run_stage, verify_inputs
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.store.config import Config, config_hash
 from flowgrpo_cli.store.rundir import (
@@ -60,6 +60,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Evaluate the engine's current policy; returns `eval/...` metrics (cached on disk)."""
     info = dist_info()
+    verify_inputs(run.data_dir)
     requests = _requests(config, run)
     if not requests:
         return {}

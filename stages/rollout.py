@@ -18,7 +18,7 @@ from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import DistInfo, dist_info
-from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest
@@ -147,6 +147,7 @@ def run(
     parts = [part_name(r, info.world_size) for r in range(info.world_size)]
 
     def sample_my_parts() -> dict[str, float]:
+        verify_inputs(run.data_dir)
         requests = build_requests(
             config, run, iteration, rank_groups(config.algorithm.prompts_per_iteration, info)
         )

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import pyarrow as pa
 
 from flowgrpo_cli.launch.distributed import dist_info
-from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest
@@ -103,6 +103,7 @@ def run(
 
     def score_my_parts() -> dict[str, float]:
         nonlocal rewards
+        verify_inputs(rollout_dir)
         if parts_scorer is not None:
             mine = list(parts) if info.is_main else []
         else:

@@ -29,7 +29,7 @@ from flowgrpo_cli.algorithm.loss import LossMetrics, kl_std, policy_loss
 from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, StepOutput
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info
-from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.models import Conditioning, ModelAdapter
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
@@ -268,6 +268,7 @@ def run(
     saved: list[str] = []
 
     def train() -> dict[str, float]:
+        verify_inputs(rollout_dir, scores_dir)
         data = load_iteration(config, run, iteration, policy.version)
         loaded.append(data)
         started = time.perf_counter()

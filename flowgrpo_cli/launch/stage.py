@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, broadcast_object, dist_info
 from flowgrpo_cli.store.rundir import (
     METRICS,
@@ -21,6 +23,7 @@ from flowgrpo_cli.store.rundir import (
     atomic_write_json,
     read_manifest,
     read_metrics,
+    verify_stage,
 )
 
 
@@ -39,6 +42,22 @@ class StageResult:
     manifest: dict[str, Any]  # {} on ranks other than 0 (the file is on disk for all)
     metrics: dict[str, float]  # rank 0: the stage's; other ranks: their own share's
     fresh: bool  # False when the stage had been finished before and was not redone
+
+
+def verify_inputs(*stage_dirs: Path) -> None:
+    """Check every part of the finished stages a stage reads against their manifests before
+    any rank uses them: rank 0 reads each part once, and every rank learns the outcome (so no
+    rank waits in a collective for one that stopped)."""
+    error = None
+    if dist_info().is_main:
+        try:
+            for folder in stage_dirs:
+                verify_stage(folder)
+        except FlowGrpoError as err:
+            error = str(err)
+    error = broadcast_object(error)
+    if error is not None:
+        raise FlowGrpoError(error)
 
 
 def run_stage(

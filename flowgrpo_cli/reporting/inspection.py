@@ -27,10 +27,10 @@ def describe(console: Console, path: Path, *, images_dir: Path | None = None) ->
         _describe_parts(console, [path], images_dir)
     elif (path / "config.toml").is_file():
         _describe_run(console, RunDir(path))
+    elif (path / MANIFEST).is_file() or any(path.glob("*.arrow")):
+        _describe_stage(console, path, images_dir)  # checkpoints/iter-N/ included
     elif path.name.startswith("iter-"):
         _describe_iteration(console, path)
-    elif (path / MANIFEST).is_file() or any(path.glob("*.arrow")):
-        _describe_stage(console, path, images_dir)
     else:
         raise FlowGrpoError(f"{path} is not a run, an iteration, a stage folder or an Arrow part")
 

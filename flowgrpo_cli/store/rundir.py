@@ -190,21 +190,24 @@ def manifest_hash(stage_dir: Path) -> str:
 
 
 def verify_stage(stage_dir: Path) -> dict[str, Any]:
-    """Check every part listed in the manifest against its recorded size and sha256."""
+    """Check every part listed in the manifest against its recorded size and sha256 (one
+    streamed read of each); a mismatch names the file and says how to redo the stage."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         raise FlowGrpoError(f"{stage_dir}: incomplete (no {MANIFEST})")
+    redo = f"delete {stage_dir} and run the stage that wrote it again"
     for part in manifest["parts"]:
         path = stage_dir / part["name"]
         if not path.is_file():
-            raise FlowGrpoError(f"{path}: listed in the manifest but missing")
+            raise FlowGrpoError(f"{path}: listed in the manifest but missing; {redo}")
         size = path.stat().st_size
         if size != part["bytes"]:
             raise FlowGrpoError(
-                f"{path}: {size} bytes, the manifest says {part['bytes']} (truncated or replaced)"
+                f"{path}: {size} bytes, the manifest says {part['bytes']} (truncated or "
+                f"replaced); {redo}"
             )
         if sha256_file(path) != part["sha256"]:
-            raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered)")
+            raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered); {redo}")
     return manifest
 
 

@@ -24,7 +24,7 @@ import torch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import ModelAdapter, load_adapter
 from flowgrpo_cli.store.config import Config
-from flowgrpo_cli.store.rundir import RunDir, atomic_file, read_manifest, sha256_file
+from flowgrpo_cli.store.rundir import RunDir, atomic_file, read_manifest, sha256_file, verify_stage
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 FULL_WEIGHTS = "transformer.safetensors"
@@ -241,7 +241,11 @@ def _check_lora_config(policy: Policy, path: Path) -> None:
 
 
 def load_weights(policy: Policy, checkpoint: Path) -> None:
-    """Load the trained weights of `checkpoint` into the policy and tag its version."""
+    """Load the trained weights of `checkpoint` into the policy and tag its version. Every file
+    of the checkpoint (weights, EMA, optimizer and trainer state) is checked against its
+    manifest first, so neither these weights nor a resumed optimizer is a silently altered one."""
+    if read_manifest(checkpoint) is not None:
+        verify_stage(checkpoint)
     path = checkpoint / weights_file(policy.mode)
     if not path.is_file():
         raise FlowGrpoError(

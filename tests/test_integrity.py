@@ -1,0 +1,73 @@
+"""Every file a stage reads is checked against the size and sha256 its manifest recorded: one
+flipped byte in any of them stops the next stage (and `inspect`) with the file's name."""
+
+import pytest
+from helpers import do_iteration, do_rollout, do_score, do_update, policy_for
+from typer.testing import CliRunner
+
+from flowgrpo_cli.cli import app
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, UPDATE
+
+PART = "part-00000-of-00001.arrow"
+
+
+def flip_one_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def rollout_part(config, run):
+    do_rollout(config, run)
+    return run.stage_dir(0, ROLLOUT) / PART, lambda: do_score(config, run)
+
+
+def conditioning_part(config, run):
+    do_rollout(config, run)
+    part = run.stage_dir(0, ROLLOUT) / PART.replace("part-", "conditioning-")
+    return part, lambda: do_score(config, run)
+
+
+def score_part(config, run):
+    do_rollout(config, run)
+    do_score(config, run)
+    return run.stage_dir(0, SCORE) / PART, lambda: do_update(config, run)
+
+
+def checkpoint_weights(config, run):
+    do_iteration(config, run)
+    path = run.checkpoint_dir(0) / "pytorch_lora_weights.safetensors"
+    return path, lambda: policy_for(config, run, 1)  # what rollout and update load
+
+
+def optimizer_state(config, run):
+    do_iteration(config, run)
+    return run.checkpoint_dir(0) / "optimizer.safetensors", lambda: policy_for(config, run, 1)
+
+
+def data_file(config, run):
+    return run.data_dir / "train.parquet", lambda: do_rollout(config, run)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [rollout_part, conditioning_part, score_part, checkpoint_weights, optimizer_state, data_file],
+)
+def test_a_flipped_byte_stops_the_stage_that_reads_it(make_run, setup):
+    config, run = make_run()
+    path, next_stage = setup(config, run)
+    flip_one_byte(path)
+    with pytest.raises(FlowGrpoError, match=f"{path.name}: checksum differs .* delete"):
+        next_stage()
+    result = CliRunner().invoke(app, ["inspect", str(path.parent)])
+    assert "checksum differs" in result.output.replace("\n", " ")
+
+
+def test_inspect_catches_altered_advantages(make_run):
+    config, run = make_run()
+    do_iteration(config, run)
+    path = run.stage_dir(0, UPDATE) / "advantages.arrow"
+    flip_one_byte(path)
+    result = CliRunner().invoke(app, ["inspect", str(path.parent)])
+    assert "advantages.arrow: checksum differs" in result.output.replace("\n", "")
