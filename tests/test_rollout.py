@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from flowgrpo_cli.stages import rollout
-from helpers import do_rollout, engine_for, policy_for, recompute_log_probs
+from helpers import do_rollout, engine_for, policy_for, recompute_log_probs, rewrite_part
 from PIL import Image
 
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
@@ -161,7 +161,7 @@ def test_prompt_choice_depends_on_seed_and_iteration_only():
 def test_prompts_missing_a_column_is_a_clear_error(make_run):
     config, run = make_run()
     table = pq.read_table(run.data_dir / "train.parquet").drop_columns(["negative_prompt"])
-    pq.write_table(table, run.data_dir / "train.parquet")
+    rewrite_part(run.data_dir, "train.parquet", lambda path: pq.write_table(table, path))
     policy = policy_for(config, run)
     with pytest.raises(FlowGrpoError, match=r"lacks column\(s\) \['negative_prompt'\]"):
         rollout.run(config, run, 0, engine_for(policy, config))
