@@ -140,6 +140,7 @@ def prepare(
     overrides = [*(set_ or []), *_as_overrides(options)]
     resolved = resolve_run(config, overrides, run, allow_change=allow_config_change)
     with RunLock(resolved.run.root):
+        resolved.store_config()
         manifest = stage.run(resolved.config, resolved.run)
     render_prepare_summary(console, resolved.run, manifest)
 
@@ -192,6 +193,7 @@ def _run_ranks(
         return
     address = ray_address_for(resolved.config, ray_address)
     with RunLock(resolved.run.root):
+        resolved.store_config()  # only now: a command the lock refuses changes nothing
         if address is not None:
             from flowgrpo_cli.launch.ray_cluster import launch_ray
 
@@ -330,6 +332,7 @@ def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | 
     from flowgrpo_cli.store.rundir import RunLock
 
     with RunLock(resolved.run.root):
+        resolved.store_config()
         number = _iteration_of(resolved, iteration)
         result = score_on_pool(
             resolved.config, resolved.run, number, address=address, progress=RichProgress()

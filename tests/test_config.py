@@ -163,20 +163,21 @@ def test_every_key_has_help():
 def test_run_refuses_a_changed_config_with_a_diff(tmp_path):
     run_dir = tmp_path / "run"
     first = resolve_run(None, ["sampler.noise_level=0.5"], run_dir)
-    assert first.run.config_path.is_file()
+    assert not first.run.config_path.exists()  # written only by a command holding the lock
+    first.store_config()
     with pytest.raises(FlowGrpoError) as info:
         resolve_run(None, ["sampler.noise_level=0.9"], run_dir)
     assert "sampler.noise_level: 0.5 -> 0.9" in str(info.value)
     assert "--allow-config-change" in str(info.value)
     # runtime-only changes pass; an explicit change replaces the stored config
     assert resolve_run(None, ["distributed.nproc=2"], run_dir).config.distributed.nproc == 2
-    resolve_run(None, ["sampler.noise_level=0.9"], run_dir, allow_change=True)
+    resolve_run(None, ["sampler.noise_level=0.9"], run_dir, allow_change=True).store_config()
     assert resolve_run(None, [], run_dir).config.sampler.noise_level == 0.9
 
 
 def test_stored_config_is_used_when_none_is_given(tmp_path):
     run_dir = tmp_path / "run"
-    resolve_run(None, ["algorithm.group_size=3"], run_dir)
+    resolve_run(None, ["algorithm.group_size=3"], run_dir).store_config()
     assert resolve_run(None, [], run_dir).config.algorithm.group_size == 3
     assert isinstance(resolve_run(None, [], run_dir).config, Config)
 

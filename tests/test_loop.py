@@ -102,12 +102,21 @@ def test_killed_anywhere_resumes_to_the_same_checkpoint(make_run):
     assert [line["iteration"] for line in lines] == [0, 1]
 
 
+def loop_holding_the_lock(run):
+    """A `flowgrpo loop` process on `run`, returned once it holds the run's lock."""
+    holder = subprocess.Popen(loop_command(run.root), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not run.lock_path.is_file() or not run.lock_path.read_text():
+        assert holder.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    return holder
+
+
 def test_a_second_loop_on_a_locked_run_is_refused(make_run):
     _, run = make_run()
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = loop_holding_the_lock(run)
     try:
-        run.lock_path.write_text(json.dumps({"pid": holder.pid,
-                                             "host": os.uname().nodename}))  # fmt: skip
         result = subprocess.run(loop_command(run.root), capture_output=True, text=True)
         assert result.returncode == 1
         assert f"locked by pid {holder.pid}" in result.stderr
@@ -150,3 +159,20 @@ def test_grid_rows_are_as_tall_as_their_scaled_images():
     assert grid.getpixel((10, 10)) == (0, 0, 0) and grid.getpixel((10, 70)) == (255, 255, 255)
     square = Image.open(io.BytesIO(make_grid([GridItem(png(64, 64), "p", "t", None)])))
     assert square.size == (4 * CELL, CELL + caption)
+
+
+def test_a_command_the_lock_refuses_leaves_the_config_alone(make_run):
+    _, run = make_run()
+    before = run.config_path.read_bytes()
+    holder = loop_holding_the_lock(run)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "flowgrpo_cli", "rollout", "--run", str(run.root),
+             "--set", "sampler.noise_level=0.3", "--allow-config-change"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 1 and "locked by pid" in result.stderr
+        assert run.config_path.read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()

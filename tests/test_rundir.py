@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from socket import gethostname
 
@@ -127,25 +128,40 @@ def test_manifest_is_written_last(tmp_path):
     assert read_manifest(stage_dir) is None
 
 
-def test_lock_refuses_a_live_owner_and_names_its_pid(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+def hold_lock(run_root):
+    """A process that holds `run_root`'s lock until killed (the caller kills it)."""
+    code = (
+        "import time\n"
+        "from pathlib import Path\n"
+        "from flowgrpo_cli.store.rundir import RunLock\n"
+        f"lock = RunLock(Path({str(run_root)!r})).acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_lock_refuses_a_live_holder_and_names_its_pid(tmp_path):
+    holder = hold_lock(tmp_path)
     try:
-        (tmp_path / "run.lock").write_text(json.dumps({"pid": holder.pid, "host": gethostname()}))
-        with pytest.raises(FlowGrpoError, match=f"locked by pid {holder.pid}"):
+        with pytest.raises(FlowGrpoError, match=f"locked by pid {holder.pid};"):
             RunLock(tmp_path).acquire()
     finally:
         holder.kill()
         holder.wait()
-
-
-def test_lock_takes_over_a_stale_lock(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    (tmp_path / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": gethostname()}))
-    with RunLock(tmp_path):
+    with RunLock(tmp_path):  # a killed holder's lock ends with it: nothing stale is left
         owner = json.loads((tmp_path / "run.lock").read_text())
-        assert owner["pid"] == os.getpid()
-    assert not (tmp_path / "run.lock").exists()
+        assert owner == {"pid": os.getpid(), "host": gethostname()}
+    assert (tmp_path / "run.lock").read_text() == ""  # released: the file stays, empty
+
+
+def test_a_lock_file_nobody_holds_is_taken_whatever_it_says(tmp_path):
+    for text in ('{"pid": 1, "host": "elsewhere"}', "abc", '{"host": "x"}', ""):
+        (tmp_path / "run.lock").write_text(text)
+        with RunLock(tmp_path):
+            assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
 
 
 def test_second_lock_in_same_process_is_refused(tmp_path):
@@ -153,10 +169,44 @@ def test_second_lock_in_same_process_is_refused(tmp_path):
         RunLock(tmp_path).acquire()
 
 
-def test_lock_on_another_host_is_refused(tmp_path):
-    (tmp_path / "run.lock").write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
-    with pytest.raises(FlowGrpoError, match="on host elsewhere"):
-        RunLock(tmp_path).acquire()
+def _contend(run_root, barrier, holders, most, wins, trials):
+    for _ in range(trials):
+        barrier.wait()
+        try:
+            lock = RunLock(run_root).acquire()
+        except FlowGrpoError:
+            lock = None
+        if lock is not None:
+            with holders.get_lock():
+                holders.value += 1
+                most.value = max(most.value, holders.value)
+            time.sleep(0.001)
+            with holders.get_lock():
+                holders.value -= 1
+            lock.release()
+            with wins.get_lock():
+                wins.value += 1
+        barrier.wait()
+
+
+def test_processes_racing_for_the_lock_never_hold_it_together(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    trials, racers = 100, 3
+    barrier = context.Barrier(racers)
+    holders, most, wins = context.Value("i", 0), context.Value("i", 0), context.Value("i", 0)
+    processes = [
+        context.Process(target=_contend, args=(tmp_path, barrier, holders, most, wins, trials))
+        for _ in range(racers)
+    ]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    assert most.value == 1  # never two holders at once
+    assert wins.value >= trials  # and every trial had one
 
 
 def test_iterations_listed_in_order(tmp_path):

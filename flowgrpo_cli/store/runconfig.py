@@ -1,10 +1,11 @@
 """Resolve the config a command runs with, and keep it consistent across a run's commands.
 
-The first command on a run writes the resolved config to `RUN/config.toml`. Later commands
-read it back; if the user passes a config (or `--set` overrides) that differs in anything that
-changes results, the command is refused with a diff, unless `allow_change` is set, in which
-case the new config replaces the stored one (stage manifests record the config hash, so
-outputs of the old config are redone, not mixed).
+The first command on a run writes the resolved config to `RUN/config.toml`, once it holds the
+run's lock (`ResolvedRun.store_config`): a command the lock refuses changes nothing. Later
+commands read it back; if the user passes a config (or `--set` overrides) that differs in
+anything that changes results, the command is refused with a diff, unless `allow_change` is
+set, in which case the new config replaces the stored one (stage manifests record the config
+hash, so outputs of the old config are redone, not mixed).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes
 class ResolvedRun:
     config: Config
     run: RunDir
+    config_text: bytes | None = None  # what RUN/config.toml must hold; None: it already does
+
+    def store_config(self) -> None:
+        """Write the run's config, if it is new or was changed. Call it holding the run lock."""
+        if self.config_text is not None:
+            self.run.root.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.run.config_path, self.config_text)
 
 
 def resolve_run(
@@ -31,7 +39,8 @@ def resolve_run(
     allow_change: bool = False,
     write: bool = True,
 ) -> ResolvedRun:
-    """Config from the run's stored copy, else `config_file`, else defaults; plus overrides."""
+    """Config from the run's stored copy, else `config_file`, else defaults; plus overrides.
+    Nothing is written here: `write` says whether the result should be stored (store_config)."""
     requested = load_config(config_file, overrides)
     root = Path(run_dir) if run_dir is not None else Path(requested.run.dir)
     run = RunDir(root.expanduser())
@@ -49,7 +58,5 @@ def resolve_run(
         if not changes and requested == stored:
             write = False
     config = replace(requested, run=replace(requested.run, dir=str(run.root)))
-    if write:
-        run.root.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(run.config_path, dumps_config(config).encode())
-    return ResolvedRun(config=config, run=run)
+    text = dumps_config(config).encode() if write else None
+    return ResolvedRun(config=config, run=run, config_text=text)

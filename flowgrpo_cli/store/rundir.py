@@ -283,65 +283,63 @@ class StageWriter:
 # The single-writer lock
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 class RunLock:
-    """One writer per run: `run.lock` holds the owner's pid and host.
+    """One writer per run: an exclusive OS lock (flock) on `run.lock`, whose text names the
+    holder's pid and host for the message a refused command prints.
 
-    A lock whose owner is a dead process on this host is stale and taken over; a live owner,
-    or an owner on another host (whose liveness we cannot check), makes acquire() refuse.
+    The kernel drops the lock when its holder ends, however it ends, so there is no stale lock
+    to detect and no read-check-delete race: two processes never hold it at once. The file is
+    never deleted (deleting it would let one process lock a new file while another still holds
+    the old one); release empties it. Across hosts this needs a file system with locks (NFS
+    with lockd, Lustre, CephFS); the run directory is where every node sees it anyway.
     """
 
     def __init__(self, run_root: Path):
         self.path = RunDir(run_root).lock_path
-        self._held = False
+        self._fd: int | None = None
 
     def acquire(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname()}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                if owner is None or (
-                    owner.get("host") == me["host"] and not _pid_alive(int(owner.get("pid", -1)))
-                ):
-                    self.path.unlink(missing_ok=True)  # stale: its writer is gone
-                    continue
-                where = "" if owner.get("host") == me["host"] else f" on host {owner['host']}"
-                raise FlowGrpoError(
-                    f"run {self.path.parent} is locked by pid {owner['pid']}{where}; another "
-                    f"flowgrpo command is writing to it. If no such process runs, delete "
-                    f"{self.path}"
-                ) from None
-            with os.fdopen(fd, "w") as handle:
-                json.dump(me, handle)
-            self._held = True
-            return self
-        raise FlowGrpoError(f"could not take the lock {self.path}: another process raced for it")
+        import fcntl
 
-    def _owner(self) -> dict[str, Any] | None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            return json.loads(self.path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            os.close(fd)
+            raise FlowGrpoError(
+                f"run {self.path.parent} is locked by {holder}; another flowgrpo command is "
+                "writing to it (the lock ends with that process)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        self._fd = fd
+        return self
 
     def release(self) -> None:
-        if self._held:
-            self.path.unlink(missing_ok=True)
-            self._held = False
+        """Give up this lock (only ever one's own: the OS lock belongs to its descriptor)."""
+        import fcntl
+
+        if self._fd is None:
+            return
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _lock_holder(fd: int) -> str:
+    """'pid N' (and its host when not this one), from the lock file's text when readable."""
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        pid, host = int(owner["pid"]), str(owner["host"])
+    except (ValueError, KeyError, TypeError):  # written this instant, or not by flowgrpo
+        return "another process"
+    return f"pid {pid}" if host == socket.gethostname() else f"pid {pid} on host {host}"

@@ -117,6 +117,7 @@ def looped(tmp_path_factory):
     config_file = root / "config.toml"
     config_file.write_text(_config_text(root, model))
     resolved = resolve_run(config_file, [])
+    resolved.store_config()
     started = time.perf_counter()
     with pytest.MonkeyPatch.context() as patch:
         # The shared registry may not list the engine yet; this is the entry it needs.
