@@ -1,13 +1,17 @@
 """Every file a stage reads is checked against the size and sha256 its manifest recorded: one
-flipped byte in any of them stops the next stage (and `inspect`) with the file's name."""
+flipped byte in any of them stops the next stage (and `inspect`) with the file's name. Names
+read from files (part names, sample ids) never lead outside their folder."""
 
+import json
+
+import pyarrow as pa
 import pytest
 from helpers import do_iteration, do_rollout, do_score, do_update, policy_for
 from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, UPDATE
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, UPDATE, verify_stage
 
 PART = "part-00000-of-00001.arrow"
 
@@ -71,3 +75,37 @@ def test_inspect_catches_altered_advantages(make_run):
     flip_one_byte(path)
     result = CliRunner().invoke(app, ["inspect", str(path.parent)])
     assert "advantages.arrow: checksum differs" in result.output.replace("\n", "")
+
+
+def test_a_sample_id_cannot_write_outside_the_images_folder(make_run, tmp_path):
+    from flowgrpo_cli.store.trajectory import read_table, write_table
+
+    config, run = make_run()
+    do_rollout(config, run)
+    part = run.stage_dir(0, ROLLOUT) / PART
+    table = read_table([part])
+    ids = table.column("sample_id").to_pylist()
+    for bad in ("../../escaped", "/abs/escaped"):
+        altered = table.set_column(
+            table.column_names.index("sample_id"), "sample_id", pa.array([bad, *ids[1:]])
+        )
+        write_table(part, altered)
+        images = tmp_path / "images"
+        result = CliRunner().invoke(app, ["inspect", str(part), "--images", str(images)])
+        assert result.exit_code == 1 and "not a plain file name" in result.output
+        assert not list(tmp_path.rglob("escaped*"))
+
+
+def test_a_manifest_naming_a_part_outside_its_folder_is_refused(make_run):
+    config, run = make_run()
+    do_rollout(config, run)
+    folder = run.stage_dir(0, ROLLOUT)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["trajectory_parts"] = ["../../outside/x.arrow"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FlowGrpoError, match="not a name flowgrpo writes"):
+        do_score(config, run)
+    manifest["parts"][0]["name"] = "../../outside/x.arrow"
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FlowGrpoError, match="outside"):
+        verify_stage(folder)

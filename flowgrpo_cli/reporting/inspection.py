@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,9 @@ def _log_prob_table(console: Console, values: np.ndarray) -> None:
     console.print(table)
 
 
+_FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
 class _ImageDump:
     """Writes each row's PNG as SAMPLE_ID.png and one prompts.tsv line per image."""
 
@@ -147,6 +151,11 @@ class _ImageDump:
     def add(self, batch) -> None:
         for row in batch.select(["sample_id", "prompt", "ground_truth", "image"]).to_pylist():
             name = f"{row['sample_id']}.png"
+            if not _FILE_NAME.fullmatch(name):  # a sample id read from a file names the PNG
+                raise FlowGrpoError(
+                    f"sample_id {row['sample_id']!r} is not a plain file name (letters, digits, "
+                    f"'.', '_', '-'): no image written for it outside {self.folder}"
+                )
             (self.folder / name).write_bytes(row["image"])
             self._csv.writerow([name, row["prompt"], row["ground_truth"]])
             self.count += 1

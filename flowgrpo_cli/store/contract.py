@@ -9,6 +9,7 @@ exact sampler settings, sigma schedule included), score -> update (ScoreManifest
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,11 @@ from typing import Any
 from flowgrpo_cli.algorithm.schedule import StepSchedule
 from flowgrpo_cli.engines.sampling import SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, require_manifest
+from flowgrpo_cli.store.rundir import MANIFEST, ROLLOUT, SCORE, require_manifest
+
+# The names rollout gives its parts (store.rundir.part_name): a manifest naming anything else,
+# another folder's file say, is refused rather than read.
+_PART = re.compile(r"(part|conditioning)-\d{5}-of-\d{5}\.arrow")
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class RolloutManifest:
         manifest = require_manifest(folder, ROLLOUT.command)
         try:
             sampler = manifest["sampler"]
-            return cls(
+            read = cls(
                 trajectory_parts=tuple(manifest["trajectory_parts"]),
                 conditioning_parts=tuple(manifest["conditioning_parts"]),
                 policy_version=manifest["policy_version"],
@@ -88,6 +93,8 @@ class RolloutManifest:
                 f"{folder}/manifest.json lacks {err} (written by an older flowgrpo, or "
                 "edited): delete that folder and run `flowgrpo rollout` again"
             ) from None
+        _check_part_names(folder, [*read.trajectory_parts, *read.conditioning_parts])
+        return read
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ class ScoreManifest:
     def read(cls, folder: Path) -> ScoreManifest:
         manifest = require_manifest(folder, SCORE.command)
         try:
-            return cls(
+            read = cls(
                 parts=tuple(part["name"] for part in manifest["parts"]),
                 rewards=tuple(manifest["rewards"]),
             )
@@ -110,3 +117,14 @@ class ScoreManifest:
                 f"{folder}/manifest.json lacks {err}: delete that folder and run "
                 "`flowgrpo score` again"
             ) from None
+        _check_part_names(folder, read.parts)
+        return read
+
+
+def _check_part_names(folder: Path, names: list[str] | tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(name, str) or not _PART.fullmatch(name):
+            raise FlowGrpoError(
+                f"{folder / MANIFEST} lists the part {name!r}, not a name flowgrpo writes "
+                "(part-NNNNN-of-NNNNN.arrow): refused; delete that folder and redo the stage"
+            )

@@ -111,6 +111,15 @@ def part_name(index: int, count: int, suffix: str = "arrow") -> str:
     return f"part-{index:05d}-of-{count:05d}.{suffix}"
 
 
+def inside(folder: Path, name: str, *, where: str) -> Path:
+    """folder / name, refused when a name read from a file (`where`) would leave `folder`:
+    an absolute path, `..`, or a link pointing out."""
+    path = folder / name
+    if Path(name).is_absolute() or not path.resolve().is_relative_to(folder.resolve()):
+        raise FlowGrpoError(f"{where} names {name!r}, which is outside {folder}: refused")
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # Atomic files
 
@@ -197,7 +206,7 @@ def verify_stage(stage_dir: Path) -> dict[str, Any]:
         raise FlowGrpoError(f"{stage_dir}: incomplete (no {MANIFEST})")
     redo = f"delete {stage_dir} and run the stage that wrote it again"
     for part in manifest["parts"]:
-        path = stage_dir / part["name"]
+        path = inside(stage_dir, part["name"], where=str(stage_dir / MANIFEST))
         if not path.is_file():
             raise FlowGrpoError(f"{path}: listed in the manifest but missing; {redo}")
         size = path.stat().st_size
