@@ -46,7 +46,6 @@ from flowgrpo_cli.store.rundir import (
     read_manifest,
     read_metrics,
     require_manifest,
-    sha256_file,
 )
 from flowgrpo_cli.store.seeding import derive_seed
 from flowgrpo_cli.store.trajectory import (
@@ -57,7 +56,7 @@ from flowgrpo_cli.store.trajectory import (
     read_table,
     write_table,
 )
-from flowgrpo_cli.training.policy import weights_file
+from flowgrpo_cli.training.policy import checkpoint_version
 from flowgrpo_cli.training.trainer import Trainer
 
 ADVANTAGES = "advantages.arrow"
@@ -302,8 +301,7 @@ def run(
             saved, counts={"iteration": iteration}
         )
     barrier()
-    weights = checkpoint_dir / weights_file(policy.mode)
-    policy.version = f"{checkpoint_dir.name}:{sha256_file(weights)[:16]}"
+    policy.version = checkpoint_version(checkpoint_dir, policy.mode)
     return result
 
 

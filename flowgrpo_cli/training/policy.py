@@ -174,6 +174,11 @@ def checkpoint_for(run: RunDir, iteration: int) -> Path | None:
     return folder
 
 
+def checkpoint_version(checkpoint: Path, mode: str) -> str:
+    """The policy version of a checkpoint's weights: 'iter-N:<sha of the weights file>'."""
+    return f"{checkpoint.name}:{sha256_file(checkpoint / weights_file(mode))[:16]}"
+
+
 def weights_file(mode: str) -> str:
     return LORA_WEIGHTS if mode == "lora" else FULL_WEIGHTS
 
@@ -212,24 +217,24 @@ def read_weights(policy: Policy, path: Path) -> dict[str, torch.Tensor]:
     A LoRA file that records another rank or alpha than the policy's adapter is refused: its
     weights would fit the layers, but run at another scale than the one they were trained at.
     """
-    from safetensors.torch import load_file
-
-    state = load_file(str(path))
-    if policy.mode == "full":
-        return state
-    _check_lora_config(policy, path)
-    return {key.removeprefix(LORA_PREFIX): value for key, value in state.items()}
-
-
-def _check_lora_config(policy: Policy, path: Path) -> None:
-    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
-        metadata = (handle.metadata() or {}).get(LORA_ADAPTER_METADATA_KEY)
-    if metadata is None:  # written before the config was recorded: nothing to compare
+        state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        metadata = handle.metadata() or {}
+    if policy.mode == "full":
+        return state
+    _check_lora_config(policy, path, metadata)
+    return {key.removeprefix(LORA_PREFIX): value for key, value in state.items()}
+
+
+def _check_lora_config(policy: Policy, path: Path, metadata: dict[str, str]) -> None:
+    from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+
+    recorded = metadata.get(LORA_ADAPTER_METADATA_KEY)
+    if recorded is None:  # written before the config was recorded: nothing to compare
         return
-    saved = json.loads(metadata)
+    saved = json.loads(recorded)
     own = policy.transformer.peft_config[ADAPTER_NAME]
     for key, value in (("r", own.r), ("lora_alpha", own.lora_alpha)):
         if saved.get(f"{LORA_PREFIX}{key}") != value:
@@ -257,7 +262,7 @@ def load_weights(policy: Policy, checkpoint: Path) -> None:
         _load_lora_state(policy.transformer, state, path)
     else:
         _load_full_state(policy.transformer, state, path)
-    policy.version = f"{checkpoint.name}:{sha256_file(path)[:16]}"
+    policy.version = checkpoint_version(checkpoint, policy.mode)
 
 
 def _load_lora_state(transformer: torch.nn.Module, state: dict, path: Path) -> None:
