@@ -99,3 +99,10 @@ def rewrite_part(stage_dir, name: str, write) -> None:
         if part["name"] == name:
             part.update(bytes=path.stat().st_size, sha256=sha256_file(path))
     atomic_write_json(stage_dir / MANIFEST, manifest)
+
+
+def flip_one_byte(path) -> None:
+    """Alter a file as a bad disk or a stray write would: one byte, mid-file, inverted."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))

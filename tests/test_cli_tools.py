@@ -1,6 +1,6 @@
 """`flowgrpo inspect` and `flowgrpo reward`: the tools for looking at runs and rewards."""
 
-from helpers import do_rollout, do_score
+from helpers import do_rollout, do_score, flip_one_byte
 from PIL import Image, ImageDraw, ImageFont
 from typer.testing import CliRunner
 
@@ -40,10 +40,7 @@ def test_inspect_verifies_each_part_against_its_manifest(make_run):
     scores = run.stage_dir(0, SCORE)
     result = runner.invoke(app, ["inspect", str(scores)])
     assert "1 part(s) match their recorded size and sha256" in result.output
-    part = scores / "part-00000-of-00001.arrow"
-    data = bytearray(part.read_bytes())
-    data[-200] ^= 0xFF  # one flipped byte inside the Arrow body
-    part.write_bytes(bytes(data))
+    flip_one_byte(scores / "part-00000-of-00001.arrow")
     result = runner.invoke(app, ["inspect", str(scores)])
     assert "checksum differs from the manifest" in result.output.replace("\n", " ")
 

@@ -6,7 +6,7 @@ import json
 
 import pyarrow as pa
 import pytest
-from helpers import do_iteration, do_rollout, do_score, do_update, policy_for
+from helpers import do_iteration, do_rollout, do_score, do_update, flip_one_byte, policy_for
 from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
@@ -14,12 +14,6 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, UPDATE, verify_stage
 
 PART = "part-00000-of-00001.arrow"
-
-
-def flip_one_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 def rollout_part(config, run):
