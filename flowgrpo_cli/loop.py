@@ -70,20 +70,20 @@ def run_loop(
         if _eval_due(config, start, iterations):
             with trainer.ema_weights():
                 evaluate(config, run, start, engine, rewards)
+        if info.is_main:  # what a kill after the last checkpoint left unwritten
+            write_logs(run, start)
         for iteration in range(start, iterations):
             started = time.perf_counter()
             rollout.run(config, run, iteration, engine, progress)
             scorer = pool_scorer_in_rank(config, run, iteration)  # None: the ranks score
             score.run(config, run, iteration, rewards, progress, parts_scorer=scorer)
             update.run(config, run, iteration, trainer, progress)
-            if info.is_main:
-                write_iteration_grid(run, iteration)
             if _eval_due(config, iteration + 1, iterations):
                 with trainer.ema_weights():
                     evaluate(config, run, iteration + 1, engine, rewards)
             barrier()
             if info.is_main:
-                lines = rebuild(run, iteration + 1)
+                lines = write_logs(run, iteration + 1)
                 latest = next(line for line in lines if line["iteration"] == iteration)
                 board.log(latest)
                 summary = IterationSummary(iteration, latest, time.perf_counter() - started)
@@ -99,6 +99,19 @@ def _eval_due(config: Config, iteration: int, iterations: int) -> bool:
     """Evaluate the policy iteration `iteration` starts from: at the start, every k, the end."""
     every = config.eval.every
     return bool(every) and (iteration % every == 0 or iteration == iterations)
+
+
+def write_logs(run: RunDir, last_iteration: int) -> list[dict]:
+    """Rewrite metrics.jsonl up to `last_iteration` and write the sample grids missing for the
+    iterations before it; returns the log's lines.
+
+    Both are derived from the stage folders, so writing them after each iteration and again on
+    every start loses nothing to a kill at any point between.
+    """
+    for iteration in range(last_iteration):
+        if not run.samples_path(iteration).is_file():
+            write_iteration_grid(run, iteration)
+    return rebuild(run, last_iteration)
 
 
 def write_iteration_grid(run: RunDir, iteration: int) -> None:

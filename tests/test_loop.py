@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,13 +61,14 @@ def loop_command(run_root: Path) -> list[str]:
             "--iterations", str(ITERATIONS)]  # fmt: skip
 
 
-def run_until(run_root: Path, marker: Path) -> None:
-    """Start the loop, SIGKILL it as soon as `marker` exists (or let it finish)."""
+def run_until(run_root: Path, marker: Path | Callable[[], bool]) -> None:
+    """Start the loop, SIGKILL it as soon as `marker` exists (or is true), or let it finish."""
+    happened = marker.exists if isinstance(marker, Path) else marker
     proc = subprocess.Popen(loop_command(run_root), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
-        if marker.exists():
+        if happened():
             os.kill(proc.pid, signal.SIGKILL)
             break
         time.sleep(0.005)
@@ -100,6 +102,30 @@ def test_killed_anywhere_resumes_to_the_same_checkpoint(make_run):
     assert final_checkpoint(crashed.root) == final_checkpoint(reference.root)
     lines = [json.loads(x) for x in (crashed.root / "metrics.jsonl").read_text().splitlines()]
     assert [line["iteration"] for line in lines] == [0, 1]
+
+
+@pytest.mark.slow
+def test_a_late_kill_loses_no_log_line_grid_or_temp_file(make_run):
+    """Killed while saving the last checkpoint, right after it, and in the final evaluation:
+    the re-run ends with every metrics line and grid, and no temporary file anywhere."""
+    _, run = make_run("eval.every=2", "eval.num_steps=2", "eval.num_prompts=2")
+    last_checkpoint = run.checkpoint_dir(ITERATIONS - 1)
+    kills = [
+        lambda: any(last_checkpoint.glob("*.tmp-*")),  # mid-save
+        last_checkpoint / "manifest.json",  # after the last checkpoint, before the log
+        run.eval_dir(ITERATIONS) / "pending.json",  # during the final evaluation
+    ]
+    for marker in kills:
+        run_until(run.root, marker)
+    assert not (run.root / "samples" / f"iter-{ITERATIONS - 1:06d}.png").exists()
+    result = subprocess.run(loop_command(run.root), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    log = read_log(run)
+    assert [line["iteration"] for line in log] == [0, 1, 2]
+    assert "update/loss" in log[1] and "eval/reward_mean" in log[2]
+    assert all(run.samples_path(n).is_file() for n in range(ITERATIONS))
+    assert not [p for p in run.root.rglob("*") if ".tmp-" in p.name]
+    assert "<img" in write_report(run).read_text()
 
 
 def loop_holding_the_lock(run):

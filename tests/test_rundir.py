@@ -164,6 +164,22 @@ def test_a_lock_file_nobody_holds_is_taken_whatever_it_says(tmp_path):
             assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
 
 
+def test_taking_the_lock_removes_temp_files_of_killed_writers_only(tmp_path):
+    run = RunDir(tmp_path)
+    left = [  # what a writer killed inside atomic_file leaves
+        run.checkpoint_dir(3) / "optimizer.safetensors.tmp-4242",
+        run.checkpoint_dir(3) / "ema" / "pytorch_lora_weights.safetensors.tmp-4242",
+        tmp_path / "metrics.jsonl.tmp-17",
+        run.samples_path(2).with_name("iter-000002.png.tmp-17"),
+    ]
+    kept = [tmp_path / "notes.tmp-draft", run.checkpoint_dir(3) / "optimizer.safetensors"]
+    for path in left + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+    with RunLock(tmp_path):
+        assert [p.exists() for p in left + kept] == [False] * len(left) + [True] * len(kept)
+
+
 def test_second_lock_in_same_process_is_refused(tmp_path):
     with RunLock(tmp_path), pytest.raises(FlowGrpoError, match="locked by pid"):
         RunLock(tmp_path).acquire()

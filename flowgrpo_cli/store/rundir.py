@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ PENDING = "pending.json"
 METRICS = "metrics.json"
 SCHEMA_VERSION = 1
 _TMP_MARK = ".tmp-"
+_TMP_NAME = re.compile(rf"{re.escape(_TMP_MARK)}\d+$")  # what atomic_file names its files
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,6 +145,17 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
         raise
 
 
+def remove_temp_files(folder: Path) -> None:
+    """Delete the temporary files of killed writers anywhere under `folder`.
+
+    Call it only while no writer can be alive there: holding the run's lock, or for a stage
+    folder whose writer is about to start over.
+    """
+    for path in folder.rglob(f"*{_TMP_MARK}*") if folder.is_dir() else []:
+        if _TMP_NAME.search(path.name) and path.is_file():
+            path.unlink(missing_ok=True)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     with atomic_file(path, "wb") as handle:
         handle.write(data)
@@ -253,8 +266,7 @@ class StageWriter:
                     stale.unlink()
             atomic_write_json(pending_path, self.identity)
         else:
-            for tmp in self.dir.glob(f"*{_TMP_MARK}*"):  # left by a killed writer
-                tmp.unlink(missing_ok=True)
+            remove_temp_files(self.dir)
         return True
 
     def has_part(self, name: str) -> bool:
@@ -324,6 +336,9 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
         self._fd = fd
+        # Every earlier writer of this run is dead now (a live one would hold the lock), so
+        # any temporary file left (a checkpoint, metrics.jsonl, a grid) is theirs.
+        remove_temp_files(self.path.parent)
         return self
 
     def release(self) -> None:
