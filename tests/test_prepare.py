@@ -119,6 +119,66 @@ def test_non_utf8_file_names_line_and_column(tmp_path):
     assert f"{path}:2:9: not UTF-8 (byte 0xe9)" in result.output
 
 
+def test_lines_split_on_newline_only(tmp_path):
+    """Form feed, vertical tab and U+2028 stay inside their line; \\r\\n ends one."""
+    path = tmp_path / "p.txt"
+    path.write_text('a "A"\fstill line 1\r\nb "B"\vand\u2028more\r\nno target\n', newline="")
+    parsed = read_prompt_file(path)
+    assert [r.prompt for r in parsed.rows] == ['a "A"\fstill line 1', 'b "B"\vand\u2028more']
+    assert [p.source for p in parsed.problems] == [f"{path}:3"]
+
+
+def test_skip_invalid_skips_lines_that_are_not_utf8(tmp_path):
+    txt, csv = tmp_path / "p.txt", tmp_path / "p.csv"
+    txt.write_bytes(b'ok "A"\nbad "caf\xe9"\nok "B"\n')
+    csv.write_bytes(b'prompt,ground_truth\nok,A\nbad "caf\xe9",x\nok,B\n')
+    result = prepare(tmp_path, "--train", txt, "--test", csv, "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    assert list(table(tmp_path, "train").ground_truth) == ["A", "B"]
+    assert list(table(tmp_path, "test").ground_truth) == ["A", "B"]
+    assert list(table(tmp_path, "test").source) == [f"{csv}:2", f"{csv}:4"]
+
+
+def test_csv_with_an_unbalanced_quote_is_an_error_at_its_lines(tmp_path):
+    merged = tmp_path / "merged.csv"  # the quote opened on line 2 closes on line 3
+    merged.write_text('prompt,ground_truth\n"A sign ""OPEN"", OPEN\nA mug "Best", Best\n')
+    result = prepare(tmp_path, "--train", merged)
+    assert result.exit_code == 1
+    assert f"{merged}:2: malformed CSV in lines 2-3" in result.output
+    assert "unbalanced quote" in result.output
+    spanning = tmp_path / "spanning.csv"  # closes cleanly, but two lines became one field
+    spanning.write_text('prompt,ground_truth\n"A sign ""OPEN,OPEN\nA mug ""Best""",Best\n')
+    parsed = read_prompt_file(spanning)
+    assert [(p.source, p.message) for p in parsed.problems] == [
+        (f"{spanning}:2", "a quoted field runs over lines 2-3; is a quote unbalanced?")
+    ]
+
+
+def test_csv_rows_with_the_wrong_number_of_fields(tmp_path):
+    path = tmp_path / "p.csv"
+    path.write_text("prompt,ground_truth\nok,A\none,two,three\n\nok,B\n")
+    problems = read_prompt_file(path).problems
+    assert [(p.source, p.message) for p in problems] == [
+        (f"{path}:3", "3 fields, the header has 2"),
+        (f"{path}:4", "empty line"),
+    ]
+
+
+def test_suffix_is_matched_without_case(tmp_path):
+    path = tmp_path / "PROMPTS.CSV"
+    path.write_text('prompt\nA sign "OPEN"\n')
+    assert [r.ground_truth for r in read_prompt_file(path).rows] == ["OPEN"]
+
+
+def test_values_that_are_not_strings_say_so(tmp_path):
+    jsonl, parquet = tmp_path / "p.jsonl", tmp_path / "p.parquet"
+    jsonl.write_text('{"prompt": 5}\n{"prompt": "a", "ground_truth": ["x"]}\n')
+    pd.DataFrame({"prompt": [7]}).to_parquet(parquet)
+    messages = [p.message for p in read_prompt_file(jsonl).problems]
+    assert messages == ["prompt is not a string: 5", "ground_truth is not a string: ['x']"]
+    assert [p.message for p in read_prompt_file(parquet).problems] == ["prompt is not a string: 7"]
+
+
 def test_jsonl_errors_name_line_and_column(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a \\"B\\""}\n{"prompt": oops}\n{"text": "x"}\n')

@@ -98,7 +98,11 @@ class DataSection:
         "Share of train prompts held out when `test` is empty.",
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
     )
-    skip_invalid: bool = _option(False, "Skip prompt lines with no quoted target (else an error).")
+    skip_invalid: bool = _option(
+        False,
+        "Skip invalid prompt rows (no target, empty, not a string, not UTF-8, ...) and report "
+        "how many (else an error listing them).",
+    )
     negative_prompt: str = _option("", "Negative prompt for every row lacking its own.")
     system_prompt: str = _option("", "System prompt (Qwen-Image); empty = the pipeline's own.")
 

@@ -50,29 +50,39 @@ def extract_target(prompt: str) -> str | None:
     return target if target.strip() else None
 
 
-def _decode(path: Path) -> str:
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
-        raise FlowGrpoError(
-            f"{path}:{line}:{column}: not UTF-8 (byte 0x{data[err.start]:02x}); "
-            "save the file as UTF-8"
-        ) from None
+def _lines(path: Path) -> list[str | PromptProblem]:
+    """The file's lines, split on "\n" only (a "\r" before it is dropped), each decoded as UTF-8
+    on its own: a line that is not UTF-8 is a problem at its line and column, not the end of
+    the file. Form feeds, vertical tabs and U+2028 are characters inside a line, as they are
+    to an editor that counts lines the way compilers and `wc -l` do."""
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    pieces = data.split(b"\n")
+    if pieces[-1] == b"":  # the newline ending the last line
+        pieces.pop()
+    out: list[str | PromptProblem] = []
+    for number, raw in enumerate(pieces, start=1):
+        try:
+            out.append(raw.removesuffix(b"\r").decode("utf-8"))
+        except UnicodeDecodeError as err:
+            out.append(PromptProblem(
+                f"{path}:{number}:{err.start + 1}",
+                f"not UTF-8 (byte 0x{raw[err.start]:02x}); save the file as UTF-8",
+            ))  # fmt: skip
+    return out
 
 
 def _row(
     prompt: object, ground_truth: object, negative: object, source: str
 ) -> PromptRow | PromptProblem:
+    for key, value in (("prompt", prompt), ("ground_truth", ground_truth),
+                       ("negative_prompt", negative)):  # fmt: skip
+        if value is not None and not isinstance(value, str) and not _is_missing(value):
+            return PromptProblem(source, f"{key} is not a string: {_clip(repr(value))}")
     if not isinstance(prompt, str) or not prompt.strip():
         return PromptProblem(source, "empty prompt")
     prompt = prompt.strip()
     if isinstance(ground_truth, str) and ground_truth.strip():
         target = ground_truth.strip()
-    elif ground_truth not in (None, "") and not _is_missing(ground_truth):
-        return PromptProblem(source, f"ground_truth must be text, got {ground_truth!r}")
     else:
         target = extract_target(prompt)
         if target is None:
@@ -90,16 +100,19 @@ def _clip(text: str, width: int = 60) -> str:
 
 
 def _read_txt(path: Path) -> list[PromptRow | PromptProblem]:
-    lines = _decode(path).splitlines()
     return [
-        _row(line, None, None, f"{path}:{number}") for number, line in enumerate(lines, start=1)
+        line if isinstance(line, PromptProblem) else _row(line, None, None, f"{path}:{number}")
+        for number, line in enumerate(_lines(path), start=1)
     ]
 
 
 def _read_jsonl(path: Path) -> list[PromptRow | PromptProblem]:
     out: list[PromptRow | PromptProblem] = []
-    for number, line in enumerate(_decode(path).splitlines(), start=1):
+    for number, line in enumerate(_lines(path), start=1):
         source = f"{path}:{number}"
+        if isinstance(line, PromptProblem):
+            out.append(line)
+            continue
         if not line.strip():
             out.append(PromptProblem(source, "empty line"))
             continue
@@ -115,30 +128,68 @@ def _read_jsonl(path: Path) -> list[PromptRow | PromptProblem]:
     return out
 
 
-def _read_table(path: Path) -> list[PromptRow | PromptProblem]:
+def _read_csv(path: Path) -> list[PromptRow | PromptProblem]:
+    """RFC 4180 CSV with a header row, parsed strictly: a stray quote is an error at its lines
+    rather than a silent merge of two rows, and a field running over several lines (what an
+    unbalanced quote that closes later looks like) is a problem of its row."""
+    import csv
+
+    lines = _lines(path)
+    undecodable = {n: line for n, line in enumerate(lines, 1) if isinstance(line, PromptProblem)}
+    reader = csv.reader(
+        [("" if isinstance(line, PromptProblem) else line) + "\n" for line in lines], strict=True
+    )
+    records: list[tuple[int, list[str]]] = []
+    while True:
+        first = reader.line_num + 1
+        try:
+            records.append((first, next(reader)))
+        except StopIteration:
+            break
+        except csv.Error as err:
+            raise FlowGrpoError(
+                f"{path}:{first}: malformed CSV in lines {first}-{reader.line_num} ({err}); "
+                "check for an unbalanced quote (a quote inside a field is written twice)"
+            ) from None
+    if not records or 1 in undecodable:
+        raise FlowGrpoError(f"{path}:1: no header row (the column names, `prompt` among them)")
+    header = records[0][1]
+    if "prompt" not in header:
+        raise FlowGrpoError(f"{path}: no `prompt` column (columns: {', '.join(header)})")
+    out: list[PromptRow | PromptProblem] = []
+    for first, fields in records[1:]:
+        source = f"{path}:{first}"
+        if first in undecodable:
+            out.append(undecodable[first])
+        elif not fields:
+            out.append(PromptProblem(source, "empty line"))
+        elif len(fields) != len(header):
+            out.append(PromptProblem(source, f"{len(fields)} fields, the header has {len(header)}"))
+        elif any("\n" in field for field in fields):
+            last = first + sum(field.count("\n") for field in fields)
+            out.append(PromptProblem(
+                source, f"a quoted field runs over lines {first}-{last}; is a quote unbalanced?"
+            ))  # fmt: skip
+        else:
+            rec = dict(zip(header, fields, strict=True))
+            out.append(_row(rec["prompt"], rec.get("ground_truth"), rec.get("negative_prompt"),
+                            source))  # fmt: skip
+    return out
+
+
+def _read_parquet(path: Path) -> list[PromptRow | PromptProblem]:
     import pandas as pd
 
-    if path.suffix == ".csv":
-        _decode(path)  # a clear message, with line and column, for a non-UTF-8 file
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-        first_line = 2  # line 1 is the header
-    else:
-        try:
-            frame = pd.read_parquet(path)
-        except Exception as err:  # pyarrow raises several types for a broken file
-            raise FlowGrpoError(f"{path}: cannot read as parquet ({err})") from None
-        first_line = 0  # parquet has rows, not lines: report the row index
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as err:  # pyarrow raises several types for a broken file
+        raise FlowGrpoError(f"{path}: cannot read as parquet ({err})") from None
     if "prompt" not in frame.columns:
         raise FlowGrpoError(f"{path}: no `prompt` column (columns: {', '.join(frame.columns)})")
-    label = "" if path.suffix == ".csv" else "row "
-    return [
-        _row(
-            rec.get("prompt"),
-            rec.get("ground_truth"),
-            rec.get("negative_prompt"),
-            f"{path}:{label}{index + first_line}",
-        )
-        for index, rec in enumerate(frame.to_dict("records"))
+    records = frame.to_dict("records")
+    return [  # parquet has rows, not lines: report the row index
+        _row(r.get("prompt"), r.get("ground_truth"), r.get("negative_prompt"), f"{path}:row {n}")
+        for n, r in enumerate(records)
     ]
 
 
@@ -149,8 +200,8 @@ def read_prompt_file(path: Path) -> PromptFile:
     readers = {
         ".txt": _read_txt,
         ".jsonl": _read_jsonl,
-        ".csv": _read_table,
-        ".parquet": _read_table,
+        ".csv": _read_csv,
+        ".parquet": _read_parquet,
     }
     reader = readers.get(path.suffix.lower())
     if reader is None:
