@@ -25,6 +25,7 @@ class Behaviour:
 
     replies: list[Any] = field(default_factory=lambda: ["brightness"])
     delay_s: float = 0.0
+    trickle_s: float = 0.0  # > 0: send the reply a byte at a time, this far apart
     requests: list[dict[str, Any]] = field(default_factory=list)
     arrivals: list[float] = field(default_factory=list)
 
@@ -55,7 +56,13 @@ class Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(body.encode())
+            if behaviour.trickle_s:
+                for byte in body.encode():
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    time.sleep(behaviour.trickle_s)
+            else:
+                self.wfile.write(body.encode())
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client gave up waiting: that is what the timeout tests want
 
@@ -196,6 +203,26 @@ def test_slow_server_times_out_each_attempt_then_fails(server):
     assert time.monotonic() - start < 0.5 * 3  # gave up on each attempt before the server
 
 
+def test_a_trickling_reply_ends_at_the_deadline_of_its_attempt(server):
+    """Each read gets a byte well within timeout_s; only a deadline per reply stops it."""
+    url, behaviour = server
+    behaviour.replies = [json.dumps({"scores": [0.5]}) + " " * 1000]
+    behaviour.trickle_s = 0.05
+    start = time.monotonic()
+    with pytest.raises(FlowGrpoError, match=r"no reply after 2 attempt.*within 0.4 s"):
+        remote(url, timeout_s=0.4, max_retries=1).score(batch(1))
+    assert time.monotonic() - start < 2 * 0.4 + 1.0  # 1000+ bytes would take 50 s
+
+
+def test_a_reply_over_the_size_cap_is_refused_and_not_retried(server):
+    url, behaviour = server
+    behaviour.replies = [{"scores": [0.5], "padding": "x" * 2_000_000}]
+    with pytest.raises(FlowGrpoError, match=r"reply is too large .* max_reply_mb = 1"):
+        remote(url, max_reply_mb=1).score(batch(1))
+    assert len(behaviour.requests) == 1
+    assert [s.value for s in remote(url, max_reply_mb=3).score(batch(1)).scores] == [0.5]
+
+
 def test_no_server_is_retried_then_a_clear_error():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     url = f"http://127.0.0.1:{httpd.server_port}/score"
@@ -212,6 +239,7 @@ def test_no_server_is_retried_then_a_clear_error():
         ({"url": "http://x", "max_retries": -1}, "max_retries = -1: must be >= 0"),
         ({"url": "http://x", "batch_size": 0}, "batch_size = 0: must be >= 1"),
         ({"url": "http://x", "backoff_s": -1.0}, "backoff_s = -1.0: must be >= 0"),
+        ({"url": "http://x", "max_reply_mb": 0}, "max_reply_mb = 0: must be > 0"),
     ],
 )
 def test_bad_options(options, message):

@@ -38,6 +38,7 @@ def build_rewards_from_config(section: RewardSection) -> RewardSet:
             timeout_s=remote.timeout_s,
             max_retries=remote.max_retries,
             batch_size=remote.batch_size,
+            max_reply_mb=remote.max_reply_mb,
         )
         if remote.url
         else None

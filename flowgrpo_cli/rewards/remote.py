@@ -17,17 +17,24 @@ shape (not JSON, no `scores`, the wrong number of entries) or an HTTP error is a
 naming the URL and the images: the server is broken, not the image. Timeouts, connection
 errors, HTTP 408/429 and 5xx are retried `max_retries` times, waiting backoff_s, 2*backoff_s,
 4*backoff_s, ... between attempts; other HTTP errors are not retried.
+
+`timeout_s` bounds a whole attempt (connect, send, and the reply to its last byte), not each
+socket read: a server that trickles a byte at a time cannot stall scoring. A reply larger than
+`max_reply_mb` is refused without reading the rest. The connection is made directly (no
+HTTP proxy), as reward servers sit next to the trainer.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Any
 
 from PIL import Image
@@ -119,47 +126,87 @@ class RemoteReward:
         return RewardOutput(scores=scores)
 
     def _post(self, body: bytes, where: str) -> bytes:
-        request = urllib.request.Request(
-            self.options.url,
-            data=body,
-            method="POST",
-            headers={
-                "Content-Type": "application/json",
-                "Accept": "application/json",
-                "User-Agent": f"flowgrpo/{__version__}",
-            },
-        )
         attempts = self.options.max_retries + 1
         failure = ""
         for attempt in range(attempts):
             if attempt:
                 time.sleep(self.options.backoff_s * 2 ** (attempt - 1))
             try:
-                with urllib.request.urlopen(request, timeout=self.options.timeout_s) as reply:
-                    return reply.read()
-            except urllib.error.HTTPError as err:
-                failure = f"HTTP {err.code} {err.reason}: {_excerpt(_body(err))}"
-                if err.code not in RETRIED_HTTP_CODES:
-                    raise FlowGrpoError(f"{where}: {failure}") from None
+                status, reason, raw = self._attempt(body, where)
             except (OSError, http.client.HTTPException) as err:
-                # URLError wraps connection failures; a slow reply raises TimeoutError itself.
-                reason = err.reason if isinstance(err, urllib.error.URLError) else err
-                failure = f"{type(reason).__name__}: {reason}"
+                failure = f"{type(err).__name__}: {err}"
+                continue
+            if status < 400:
+                return raw
+            failure = f"HTTP {status} {reason}: {_excerpt(raw)}"
+            if status not in RETRIED_HTTP_CODES:
+                raise FlowGrpoError(f"{where}: {failure}")
         raise FlowGrpoError(
             f"{where}: no reply after {attempts} attempt(s), last: {failure} "
             f"([reward.remote] timeout_s = {self.options.timeout_s}, "
             f"max_retries = {self.options.max_retries}); is the server up?"
         )
 
+    def _attempt(self, body: bytes, where: str) -> tuple[int, str, bytes]:
+        """One request: (status, reason, body of the reply). A watchdog shuts the socket at
+        the deadline, which ends any read blocked on it, so the whole attempt is bounded."""
+        url = urllib.parse.urlsplit(self.options.url)
+        kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+        timeout = self.options.timeout_s
+        connection = kind(url.hostname, url.port, timeout=timeout)
+        expired = threading.Event()
+        sockets = []  # the socket, kept here: the connection drops it once a reply is read
+
+        def expire() -> None:
+            expired.set()
+            for sock in sockets:
+                with contextlib.suppress(OSError):  # closed meanwhile: nothing to do
+                    sock.shutdown(socket.SHUT_RDWR)  # a blocked read returns at once
+
+        watchdog = threading.Timer(timeout, expire)
+        watchdog.start()
+        try:
+            connection.connect()
+            sockets.append(connection.sock)
+            target = (url.path or "/") + (f"?{url.query}" if url.query else "")
+            connection.request("POST", target, body=body, headers={
+                "Content-Type": "application/json",
+                "Accept": "application/json",
+                "User-Agent": f"flowgrpo/{__version__}",
+            })  # fmt: skip
+            reply = connection.getresponse()
+            raw = self._read_capped(reply, where)
+        except (OSError, http.client.HTTPException):
+            if not expired.is_set():
+                raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+        if expired.is_set():  # a shut socket can also read as the end of a short reply
+            raise TimeoutError(f"timed out: no complete reply within {timeout} s")
+        return reply.status, reply.reason, raw
+
+    def _read_capped(self, reply: http.client.HTTPResponse, where: str) -> bytes:
+        cap = int(self.options.max_reply_mb * 2**20)
+        declared = reply.getheader("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > cap:
+            raise FlowGrpoError(self._too_large(where, f"{int(declared)} bytes declared"))
+        chunks, size = [], 0
+        while chunk := reply.read(2**16):
+            size += len(chunk)
+            if size > cap:
+                raise FlowGrpoError(self._too_large(where, f"over {cap} bytes"))
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, where: str, size: str) -> str:
+        return (
+            f"{where}: the reply is too large ({size}; [reward.remote] max_reply_mb = "
+            f"{self.options.max_reply_mb}); a reply holds one score per image"
+        )
+
     def close(self) -> None:
         """Nothing to release: each request opens and closes its own connection."""
-
-
-def _body(err: urllib.error.HTTPError) -> bytes:
-    try:
-        return err.read()
-    except (OSError, http.client.HTTPException):
-        return b""
 
 
 def build_remote(options: RewardOptions) -> RemoteReward:

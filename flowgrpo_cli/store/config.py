@@ -162,11 +162,21 @@ class SamplerSection:
 @dataclass
 class RemoteRewardSection:
     url: str = _option("", "URL the `remote` reward POSTs image batches to.")
-    timeout_s: float = _option(60.0, "Seconds to wait for one reply.", check=_positive)
+    timeout_s: float = _option(
+        60.0,
+        "Seconds one request may take, its whole reply included (then it is retried).",
+        check=_positive,
+    )
     max_retries: int = _option(
         3, "Retries after a failed request (exponential backoff).", check=_at_least(0)
     )
     batch_size: int = _option(16, "Images per request.", check=_at_least(1))
+    max_reply_mb: float = _option(
+        16.0,
+        "A larger reply is refused unread (the server is broken).",
+        check=_positive,
+        affects_results=False,
+    )
 
 
 @dataclass
