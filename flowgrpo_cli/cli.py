@@ -17,7 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.errors import FlowGrpoError, storage_error
 from flowgrpo_cli.reporting.render import (
     render_iteration,
     render_metrics,
@@ -68,12 +68,19 @@ _RAISE_USER_ERRORS = contextvars.ContextVar("flowgrpo_raise_user_errors", defaul
 
 
 def user_errors(fn: F) -> F:
-    """Turn FlowGrpoError into a clean message and exit code 1."""
+    """Turn FlowGrpoError, and an OS error the user fixes (full or read-only disk,
+    permissions), into a clean message and exit code 1."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except OSError as err:  # disk full, read-only, permissions: the user's to fix
+                storage = storage_error(err)
+                if storage is None:
+                    raise
+                raise storage from None
         except FlowGrpoError as err:
             if _RAISE_USER_ERRORS.get():
                 raise

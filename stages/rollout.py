@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields
 
 from flowgrpo_cli.algorithm.schedule import StepSchedule, build_step_schedule
+from flowgrpo_cli.algorithm.sde import check_noise_level
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
@@ -148,6 +149,7 @@ def run(
 
     def sample_my_parts() -> dict[str, float]:
         verify_inputs(run.data_dir)
+        check_noise_level(settings.kind, settings.noise_level, engine.sigmas(settings).tolist())
         requests = build_requests(
             config, run, iteration, rank_groups(config.algorithm.prompts_per_iteration, info)
         )

@@ -159,7 +159,8 @@ def _stats(table: pa.Table, names: list[str]) -> dict[str, dict[str, float | Non
         column = table.column(name)
         valid = column.length() - column.null_count
         out[name] = {
-            "mean": pc.mean(column).as_py() if valid else None,
+            # Each value divided first: the sum of finite scores near 1e308 would overflow.
+            "mean": pc.sum(pc.divide(column, float(valid))).as_py() if valid else None,
             "min": pc.min(column).as_py() if valid else None,
             "max": pc.max(column).as_py() if valid else None,
             "count": valid,

@@ -73,7 +73,15 @@ def compute_advantages(
     r = rewards.to(torch.float64)  # [N]
     groups = _group(group_ids)
     centered = r - groups.mean(r)[groups.index]  # [N]; exactly 0 for a group of one
-    advantages = centered / _DENOMINATORS[std_mode](r, centered, groups, eps)
+    denominator = _DENOMINATORS[std_mode](r, centered, groups, eps)
+    advantages = centered / denominator
+    # Sums of rewards near 1e308, or squares of rewards past 1e154, overflow to inf; an inf
+    # std would quietly turn every advantage into 0.
+    if not (torch.isfinite(centered).all() and torch.isfinite(denominator).all()):
+        raise FlowGrpoError(
+            f"rewards up to {r.abs().max().item():.3g} in magnitude overflow the group "
+            "statistics; scale the reward down (its weight in [reward] weights)"
+        )
     if clip is not None:
         advantages = advantages.clamp(-clip, clip)
     return advantages.to(torch.float32)

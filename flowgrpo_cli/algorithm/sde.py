@@ -19,6 +19,7 @@ Sigmas are python floats (one value for the batch) or [B] tensors (one per sampl
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -181,6 +182,39 @@ def ode_step(
 
 # Config `sampler.kind` -> the step used on stochastic steps.
 STEP_FUNCTIONS: dict[str, StepFunction] = {"sde": sde_step, "cps": cps_step}
+
+
+def check_noise_level(kind: str, noise_level: float, sigmas: Sequence[float]) -> None:
+    """Refuse a noise level the step cannot take on this schedule, before anything is sampled.
+
+    "cps": std = sigma_next sin(a pi / 2) is largest at a = 1 and repeats beyond, so a is in
+    [0, 1]. "sde": the mean scales the latent by 1 + a^2 dt / (2 (1 - s)) (see sde_step);
+    once that factor reaches 0 the discretised step no longer follows the SDE (it flips the
+    latent's sign), so a must stay below sqrt(2 (1 - s) / -dt) on every step.
+    """
+    key = "sampler.noise_level"
+    if not noise_level >= 0.0:
+        raise FlowGrpoError(f"{key} = {noise_level}: must be >= 0 (0 = the Euler ODE step)")
+    if kind == "cps":
+        if noise_level > 1.0:
+            raise FlowGrpoError(
+                f"{key} = {noise_level}: must be in [0, 1] for cps (std = sigma_next "
+                "sin(a pi / 2) is largest at 1)"
+            )
+        return
+    substitute = sigmas[1]
+    limits = []  # (largest a, sigma, sigma_next) per step
+    for sigma, following in itertools.pairwise(sigmas):
+        s = substitute if sigma >= 1.0 else sigma
+        limits.append((math.sqrt(2.0 * (1.0 - s) / (sigma - following)), sigma, following))
+    limit, sigma, following = min(limits)
+    if noise_level >= limit:
+        raise FlowGrpoError(
+            f"{key} = {noise_level}: too large for this schedule; the SDE step from sigma "
+            f"{sigma:.4g} to {following:.4g} would scale the latent by "
+            f"{1.0 - (noise_level / limit) ** 2:.3g} (it must stay > 0), so a < {limit:.3f} "
+            f"here (sampler.num_steps = {len(sigmas) - 1})"
+        )
 
 
 def _check_noise_level(noise_level: float) -> None:

@@ -44,6 +44,8 @@ def _import_module(name: str, what: str) -> ModuleType:
                 "on PYTHONPATH?)"
             ) from None
         raise FlowGrpoError(f"{what}: importing {name!r} failed: {err}") from err
+    except SystemExit as err:  # would end the command without a word
+        raise FlowGrpoError(f"{what}: importing {name!r} called sys.exit({err.code!r})") from None
     except Exception as err:
         raise FlowGrpoError(
             f"{what}: importing {name!r} failed: {describe_exception(err)}"

@@ -51,6 +51,11 @@ class PluginReward:
         prompts = batch.prompts if batch.prompts is not None else [""] * len(batch)
         try:
             raw = self._function(batch.images, prompts, batch.metadata_with_ground_truth())
+        except SystemExit as err:  # sys.exit() in a plugin would end the run without a word
+            raise FlowGrpoError(
+                f"reward {self.name!r} called sys.exit({err.code!r}) while scoring; a reward "
+                "returns its scores, or raises to fail the images"
+            ) from None
         except Exception as err:
             if len(batch) == 1:
                 return RewardOutput(scores=[ImageScore.failed(describe_exception(err))])

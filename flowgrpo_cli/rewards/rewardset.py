@@ -90,12 +90,14 @@ class RewardSet:
                 for name in self.names
                 if errors[name][index] is not None
             ]
+            total = None
+            if not failures:
+                total = sum(self.weights[name] * columns[name][index] for name in self.names)
+                if not math.isfinite(total):  # finite scores, e.g. +-1e308, can still overflow
+                    failures.append(f"the weighted total overflows to {total}")
+                    total = None
             reward_error.append("; ".join(failures) if failures else None)
-            reward.append(
-                None
-                if failures
-                else sum(self.weights[name] * columns[name][index] for name in self.names)
-            )
+            reward.append(total)
         return ScoreResult(
             names=self.names,
             columns=columns,

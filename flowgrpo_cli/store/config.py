@@ -79,7 +79,11 @@ class RunSection:
         path=True,
         affects_results=False,
     )
-    seed: int = _option(0, "Seed of everything random: prompt order, noise, dropout, splits.")
+    seed: int = _option(
+        0,
+        "Seed of everything random: prompt order, noise, dropout, splits.",
+        check=lambda v: None if 0 <= v < 2**63 else "must be in [0, 2**63) (a torch seed)",
+    )
 
 
 @dataclass
@@ -501,7 +505,16 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
         file = Path(_expand_path(str(path)))
         if not file.is_file():
             raise FlowGrpoError(f"config file {file} does not exist")
-        text = file.read_text(encoding="utf-8")
+        data = file.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            column = err.start - data.rfind(b"\n", 0, err.start)
+            raise FlowGrpoError(
+                f"{file}:{line}:{column}: not UTF-8 (byte 0x{data[err.start]:02x}); TOML files "
+                "are UTF-8"
+            ) from None
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.errors import FlowGrpoError, storage_error
 
 MANIFEST = "manifest.json"
 PENDING = "pending.json"
@@ -132,16 +132,21 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
 
     On any exception the temporary file is removed and `path` is left as it was.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, mode) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        # On a read-only or full disk the clean-up can fail too; the first error is the news.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        storage = storage_error(err, path) if isinstance(err, OSError) else None
+        if storage is not None:
+            raise storage from None
         raise
 
 
@@ -182,10 +187,46 @@ def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
     path = stage_dir / MANIFEST
     if not path.is_file():
         return None
+    manifest = _read_json(path, "manifest")
+    problem = _manifest_problem(manifest)
+    if problem is not None:
+        raise FlowGrpoError(
+            f"{path}: not a flowgrpo manifest ({problem}); delete {stage_dir} and redo the stage"
+        )
+    return manifest
+
+
+def _read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise FlowGrpoError(f"{path}: manifest is not valid JSON ({err})") from None
+        return json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FlowGrpoError(f"{path}: {what} is not valid JSON ({err})") from None
+
+
+# The keys StageWriter.finish writes into every manifest, with their JSON types.
+_MANIFEST_KEYS = {"schema_version": int, "stage": str, "identity": dict, "counts": dict,
+                  "parts": list}  # fmt: skip
+_PART_KEYS = {"name": str, "bytes": int, "sha256": str}
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What makes `manifest` unlike the ones StageWriter.finish writes, or None."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    problem = _missing_key(manifest, _MANIFEST_KEYS, "")
+    for n, part in enumerate(manifest["parts"] if problem is None else []):
+        if not isinstance(part, dict):
+            return f"`parts[{n}]` is not an object"
+        problem = problem or _missing_key(part, _PART_KEYS, f"parts[{n}].")
+    return problem
+
+
+def _missing_key(entry: dict[str, Any], keys: dict[str, type], where: str) -> str | None:
+    for key, kind in keys.items():
+        value = entry.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"`{where}{key}` is missing or not a {kind.__name__}"
+    return None
 
 
 def require_manifest(stage_dir: Path, what: str) -> dict[str, Any]:
@@ -203,7 +244,14 @@ def read_metrics(stage_dir: Path) -> dict[str, float]:
     path = stage_dir / METRICS
     if read_manifest(stage_dir) is None or not path.is_file():
         return {}
-    return json.loads(path.read_text())
+    metrics = _read_json(path, "metrics file")
+    if not isinstance(metrics, dict) or not all(
+        isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
+    ):
+        raise FlowGrpoError(
+            f"{path}: expected a JSON object of numbers; delete {stage_dir} and redo the stage"
+        )
+    return metrics
 
 
 def manifest_hash(stage_dir: Path) -> str:
