@@ -227,16 +227,25 @@ def _iteration_of(resolved: Any, iteration: int | None) -> int:
     return resolved.run.current_iteration() if iteration is None else iteration
 
 
-def _load_policy_for(resolved: Any, iteration: int) -> Any:
+def _load_policy_for(resolved: Any, iteration: int, *, sampling: bool = False) -> Any:
+    """The policy iteration `iteration` starts from; with `sampling`, the weights its rollout
+    samples with (nft: the checkpoint's anchor)."""
+    from flowgrpo_cli.algorithm.registry import spec
     from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
-    from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weights
+    from flowgrpo_cli.training.policy import (
+        ANCHOR_FOLDER,
+        checkpoint_for,
+        load_policy,
+        load_weights,
+    )
 
     device = resolve_device(resolved.config.model.device)
     init_process_group(device)
     policy = load_policy(resolved.config, device)
     checkpoint = checkpoint_for(resolved.run, iteration)
     if checkpoint is not None:
-        load_weights(policy, checkpoint)
+        anchor = sampling and spec(resolved.config.algorithm.name).samples_with_anchor
+        load_weights(policy, checkpoint, ANCHOR_FOLDER if anchor else "")
     return policy
 
 
@@ -301,7 +310,7 @@ def _rollout(resolved: Any, number: int) -> None:
 
     cfg = resolved.config
     engine_class(cfg.sampler.engine)  # fails fast on a missing engine
-    policy = _load_policy_for(resolved, number)
+    policy = _load_policy_for(resolved, number, sampling=True)
     engine = build_engine(cfg, policy)
     progress = RichProgress() if _is_main() else NullProgress()
     result = stage.run(cfg, resolved.run, number, engine, progress)

@@ -74,7 +74,8 @@ def run_loop(
             write_logs(run, start)
         for iteration in range(start, iterations):
             started = time.perf_counter()
-            rollout.run(config, run, iteration, engine, progress)
+            with trainer.sampling_weights():  # nft samples with its anchor
+                rollout.run(config, run, iteration, engine, progress)
             scorer = pool_scorer_in_rank(config, run, iteration)  # None: the ranks score
             score.run(config, run, iteration, rewards, progress, parts_scorer=scorer)
             update.run(config, run, iteration, trainer, progress)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import fields, replace
 
+from flowgrpo_cli.algorithm.registry import spec
 from flowgrpo_cli.algorithm.schedule import StepSchedule, build_step_schedule
 from flowgrpo_cli.algorithm.sde import check_noise_level
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
@@ -150,6 +151,7 @@ def run(
     def sample_my_parts() -> dict[str, float]:
         verify_inputs(run.data_dir)
         check_noise_level(settings.kind, settings.noise_level, engine.sigmas(settings).tolist())
+        _check_final_latent(config, settings)
         requests = build_requests(
             config, run, iteration, rank_groups(config.algorithm.prompts_per_iteration, info)
         )
@@ -157,6 +159,7 @@ def run(
         produced = _sample_part(
             writer, parts[info.rank], requests, engine, settings, config.sampler.batch_size,
             progress, label=f"rollout iter {iteration}",
+            keep_trajectory=spec(config.algorithm.name).needs_trajectory,
         )  # fmt: skip
         seconds = time.perf_counter() - started
         return {
@@ -190,6 +193,19 @@ def run(
     return run_stage(writer, sample_my_parts, finish)
 
 
+def _check_final_latent(config: Config, settings: SamplerSettings) -> None:
+    """nft / awm need the clean latent; vllm-omni hands back the trajectory's states only, so
+    its last one is the clean latent only when the last step is stochastic (or none is)."""
+    if spec(config.algorithm.name).needs_trajectory or config.sampler.engine != "vllm-omni":
+        return
+    if settings.noise_level > 0 and not settings.schedule.stochastic[-1]:
+        raise FlowGrpoError(
+            f"algorithm.name = {config.algorithm.name!r} with the vllm-omni engine needs the "
+            "SDE window to reach the last step (or sampler.noise_level = 0): its trajectory "
+            "ends at the window, not at the clean latent"
+        )
+
+
 def _conditioning_name(part: str) -> str:
     return part.replace("part-", "conditioning-")
 
@@ -204,6 +220,7 @@ def _sample_part(
     progress: Progress,
     *,
     label: str,
+    keep_trajectory: bool,
 ) -> int:
     """Sample `requests` into the trajectory part `part` and its conditioning part (kept when
     a killed run left both finished); returns the number of images sampled."""
@@ -225,6 +242,8 @@ def _sample_part(
             sampled = _on_cpu(engine.sample(chunk, conditioning, settings))
             if pending is not None:
                 pending.result()
+            if not keep_trajectory:  # nft / awm train on the clean latent alone
+                sampled = _final_latent_only(sampled)
             pending = writer_thread.submit(_write_batch, out, chunk, sampled, settings)
             progress.advance(len(chunk))
         if pending is not None:
@@ -238,6 +257,18 @@ def _on_cpu(sampled: SampledBatch) -> SampledBatch:
     """The batch with its tensors on the CPU, copied on the sampling thread (so a GPU copy
     keeps its place in that thread's stream order)."""
     return SampledBatch(**{f.name: getattr(sampled, f.name).cpu() for f in fields(sampled)})
+
+
+def _final_latent_only(sampled: SampledBatch) -> SampledBatch:
+    """The batch as a sampler without stochastic steps gives it: the final latent alone."""
+    import torch
+
+    batch = sampled.final_latents.shape[0]
+    empty = torch.zeros(batch, 0)
+    return replace(
+        sampled, latents=sampled.final_latents.unsqueeze(1), log_probs=empty,
+        timesteps=empty, timesteps_next=empty,
+    )  # fmt: skip
 
 
 def _write_batch(

@@ -25,7 +25,9 @@ import pyarrow as pa
 import torch
 
 from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
-from flowgrpo_cli.algorithm.loss import LossMetrics, kl_std, policy_loss
+from flowgrpo_cli.algorithm.awm import AWM_FOLDS
+from flowgrpo_cli.algorithm.loss import FLOW_GRPO_FOLDS, LossMetrics, kl_std, policy_loss
+from flowgrpo_cli.algorithm.nft import NFT_FOLDS
 from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, StepOutput
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info
@@ -56,10 +58,13 @@ from flowgrpo_cli.store.trajectory import (
     read_table,
     write_table,
 )
+from flowgrpo_cli.training import forward_process
 from flowgrpo_cli.training.policy import checkpoint_version
 from flowgrpo_cli.training.trainer import Trainer
 
 ADVANTAGES = "advantages.arrow"
+# Each algorithm's loss output fields and how update/... metrics fold them.
+FOLDS = {"flow_grpo": FLOW_GRPO_FOLDS, "nft": NFT_FOLDS, "awm": AWM_FOLDS}
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class IterationData:
 def load_iteration(
     config: Config, run: RunDir, iteration: int, policy_version: str
 ) -> IterationData:
+    """The iteration's samples and advantages; `policy_version` is the one rollout must have
+    sampled with (the trainer's sampling_version())."""
     rollout_dir, scores_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
     rollout = RolloutManifest.read(rollout_dir)
     scores = ScoreManifest.read(scores_dir)
@@ -94,8 +101,9 @@ def load_iteration(
         )
     if rollout.policy_version != policy_version:
         raise FlowGrpoError(
-            f"{rollout_dir} was sampled with policy {rollout.policy_version}, but the policy "
-            f"to update is {policy_version}: the rollout is stale; delete it and roll out again"
+            f"{rollout_dir} was sampled with policy {rollout.policy_version}, but this update "
+            f"expects samples of {policy_version}: the rollout is stale; delete it and roll "
+            "out again"
         )
     parts = [rollout_dir / name for name in rollout.trajectory_parts]
     samples = read_table(parts, ["sample_id", "group_id"])
@@ -268,11 +276,13 @@ def run(
 
     def train() -> dict[str, float]:
         verify_inputs(rollout_dir, scores_dir)
-        data = load_iteration(config, run, iteration, policy.version)
+        data = load_iteration(config, run, iteration, trainer.sampling_version())
         loaded.append(data)
         started = time.perf_counter()
         metrics = _train(config, iteration, trainer, data, StoredSamples(rollout_dir, data),
                          progress)  # fmt: skip
+        if trainer.anchor is not None:  # after the iteration's steps, as the references do
+            metrics["update/anchor_decay"] = trainer.update_anchor()
         seconds = time.perf_counter() - started
         trainer.state.iteration = iteration
         trainer.state.config_hash = identity["config"]
@@ -302,6 +312,7 @@ def run(
         )
     barrier()
     policy.version = checkpoint_version(checkpoint_dir, policy.mode)
+    trainer.save_done(checkpoint_dir)
     return result
 
 
@@ -324,35 +335,45 @@ def _train(
             "update/lr": trainer.learning_rate(),
         }
     progress.start(
-        f"update iter {iteration}", total=sum(len(m) for _, m in plan), unit="micro-batches"
+        f"update iter {iteration}", total=sum(len(m) for *_, m in plan), unit="micro-batches"
     )
+    name = config.algorithm.name
+    policy_gradient = name == "flow_grpo"
     old_log_probs = (
         _recompute_old_logprobs(config, trainer, data, samples)
-        if config.algorithm.recompute_old_logprobs
+        if policy_gradient and config.algorithm.recompute_old_logprobs
         else None
     )
-    losses = LossMetrics()
+    losses = LossMetrics(FOLDS[name])
     step_metrics: list[dict[str, float]] = []
     gap: torch.Tensor | None = None
     trainer.policy.transformer.train()
-    for batch_size, micro_batches in plan:
+    for epoch, batch_size, micro_batches in plan:
         for indices in micro_batches:
-            micro_gap = _backward_micro_batch(
-                config, trainer, data, samples, indices, batch_size, old_log_probs, losses
-            )
-            if gap is None:  # the first micro-batch, before any optimizer step
-                gap = micro_gap
+            if policy_gradient:
+                micro_gap = _backward_micro_batch(
+                    config, trainer, data, samples, indices, batch_size, old_log_probs, losses
+                )
+                if gap is None:  # the first micro-batch, before any optimizer step
+                    gap = micro_gap
+            else:
+                _backward_forward_process(
+                    config, iteration, epoch, trainer, data, samples, indices, batch_size, losses
+                )
             progress.advance(1)
         step_metrics.append(trainer.step())
     progress.finish()
     trainer.policy.transformer.eval()
     losses.all_reduce()
     metrics = losses.summary()
-    # The KL's name says which divisor it has (the two differ by 1/|dt| for the SDE).
-    metrics[f"update/kl_{config.algorithm.kl_convention}"] = metrics.pop("update/kl")
+    if policy_gradient:
+        # The KL's name says which divisor it has (the two differ by 1/|dt| for the SDE).
+        metrics[f"update/kl_{config.algorithm.kl_convention}"] = metrics.pop("update/kl")
+        metrics["update/logprob_gap_max"] = float(gap.max())
+        metrics["update/logprob_gap_mean"] = float(gap.mean())
+    else:  # a mean squared velocity difference, not a divergence of step distributions
+        metrics["update/kl_velocity"] = metrics.pop("update/kl")
     metrics.update({
-        "update/logprob_gap_max": float(gap.max()),
-        "update/logprob_gap_mean": float(gap.mean()),
         "update/grad_norm": float(np.mean([m["grad_norm"] for m in step_metrics])),
         "update/grad_norm_max": float(np.max([m["grad_norm"] for m in step_metrics])),
         "update/lr": step_metrics[-1]["lr"],
@@ -360,6 +381,30 @@ def _train(
         "update/optimizer_steps_skipped": float(skipped),
     })  # fmt: skip
     return metrics
+
+
+def _backward_forward_process(
+    config: Config,
+    iteration: int,
+    epoch: int,
+    trainer: Trainer,
+    data: IterationData,
+    samples: StoredSamples,
+    indices: list[int],
+    batch_size: int,
+    losses: LossMetrics,
+) -> None:
+    """nft / awm: one micro-batch, weighted as _backward_micro_batch weights its samples."""
+    policy = trainer.policy
+    real = bool(indices)
+    indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
+    rows = samples.rows(indices)
+    forward_process.backward_micro_batch(
+        config, trainer, data.rollout, rows, samples.conditioning_of(rows, policy.device),
+        data.advantages[indices].to(policy.device), iteration=iteration, epoch=epoch,
+        weight=len(indices) * dist_info().world_size / batch_size if real else 0.0,
+        losses=losses if real else None,
+    )  # fmt: skip
 
 
 def _backward_micro_batch(
@@ -438,8 +483,11 @@ def _recompute_old_logprobs(
     return out
 
 
-def _plan(num_samples: int, config: Config, iteration: int) -> list[tuple[int, list[list[int]]]]:
-    """Per optimizer step: (its batch size, this rank's micro-batches of sample indices).
+def _plan(
+    num_samples: int, config: Config, iteration: int
+) -> list[tuple[int, int, list[list[int]]]]:
+    """Per optimizer step: (its epoch, its batch size, this rank's micro-batches of sample
+    indices).
 
     Each rank takes every world_size-th sample of a batch; every rank runs the same number of
     micro-batches (some may be empty: zero-weighted stand-ins keep collectives aligned).
@@ -451,5 +499,6 @@ def _plan(num_samples: int, config: Config, iteration: int) -> list[tuple[int, l
         for batch in optimizer_batches(num_samples, config, iteration, epoch):
             share = batch[info.rank :: info.world_size]
             count = math.ceil(math.ceil(len(batch) / info.world_size) / micro)
-            plan.append((len(batch), [share[m * micro : (m + 1) * micro] for m in range(count)]))
+            micro_batches = [share[m * micro : (m + 1) * micro] for m in range(count)]
+            plan.append((epoch, len(batch), micro_batches))
     return plan

@@ -13,6 +13,7 @@ std_dev_t, the exact KL of one step by the step's std = std_dev_t sqrt(-dt).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -149,7 +150,7 @@ def _check_batch(*tensors: torch.Tensor) -> None:
 
 
 # LossOutput field -> how LossMetrics folds it over trained steps and micro-batches.
-_FOLDS: dict[str, str] = {
+FLOW_GRPO_FOLDS: dict[str, str] = {
     "loss": "mean",
     "pg_loss": "mean",
     "kl": "mean",
@@ -167,20 +168,23 @@ _COMBINE = {"mean": torch.add, "min": torch.minimum, "max": torch.maximum}
 
 
 class LossMetrics:
-    """Folds LossOutputs of many steps and micro-batches into `update/...` floats.
+    """Folds loss outputs of many steps and micro-batches into `update/...` floats.
 
-    Means are weighted by batch size (a short last micro-batch counts for what it holds);
-    ratio_min and ratio_max are the extremes over everything added. Values stay tensors until
-    summary(), so adding a step never waits for the device.
+    `folds` names the output's fields and how each folds ("mean", "min", "max"; Flow-GRPO's
+    LossOutput by default, or algorithm.nft.NFT_FOLDS, ...). Means are weighted by batch size
+    (a short last micro-batch counts for what it holds); ratio_min and ratio_max are the
+    extremes over everything added. Values stay tensors until summary(), so adding a step
+    never waits for the device.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, folds: dict[str, str] | None = None) -> None:
+        self._folds = folds or FLOW_GRPO_FOLDS
         self._weight = 0
         self._folded: dict[str, torch.Tensor] = {}
 
-    def add(self, out: LossOutput) -> None:
+    def add(self, out: Any) -> None:
         self._weight += out.batch_size
-        for name, fold in _FOLDS.items():
+        for name, fold in self._folds.items():
             value = getattr(out, name).detach().float()
             if fold == "mean":
                 value = value * out.batch_size
@@ -203,14 +207,15 @@ class LossMetrics:
         weight = torch.tensor(float(self._weight), device=device)
         torch.distributed.all_reduce(weight, op=ops["mean"])
         self._weight = int(weight.item())
-        for name, fold in _FOLDS.items():
+        for name, fold in self._folds.items():
             value = self._folded[name].detach().float().to(device).clone()
             torch.distributed.all_reduce(value, op=ops[fold])
             self._folded[name] = value
 
     def summary(self) -> dict[str, float]:
         """`update/<field>` -> float; empty when nothing was added."""
+        means = {name for name, fold in self._folds.items() if fold == "mean"}
         return {
-            f"update/{name}": (value / self._weight if _FOLDS[name] == "mean" else value).item()
+            f"update/{name}": (value / self._weight if name in means else value).item()
             for name, value in self._folded.items()
         }

@@ -36,6 +36,7 @@ class SampledBatch:
     timesteps: torch.Tensor  # [B, T] float32: sigma of each stochastic step
     timesteps_next: torch.Tensor  # [B, T] float32
     images: torch.Tensor  # [B, 3, H, W] float32 in [0, 1]
+    final_latents: torch.Tensor  # [B, *latent_shape] float32: the clean latent decoded
 
 
 @torch.no_grad()
@@ -91,4 +92,5 @@ def sample_batch(
         timesteps=torch.tensor(sigma_now, dtype=torch.float32).expand(batch, steps).clone(),
         timesteps_next=torch.tensor(sigma_next, dtype=torch.float32).expand(batch, steps).clone(),
         images=adapter.decode(x),
+        final_latents=x.float(),
     )

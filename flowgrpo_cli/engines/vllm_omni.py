@@ -326,6 +326,7 @@ def _sampled_batch(outputs: list[Any]) -> SampledBatch:
         timesteps=sigmas[:, 0].float(),
         timesteps_next=sigmas[:, 1].float(),
         images=images.float() / 255.0,
+        final_latents=latents[:, -1].float(),  # every step is stochastic: the last state
     )
 
 

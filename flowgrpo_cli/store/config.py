@@ -198,8 +198,21 @@ class RewardSection:
     remote: RemoteRewardSection = field(default_factory=RemoteRewardSection)
 
 
+def _anchor_decay(v: list[float]) -> str | None:
+    if not v:
+        return None
+    if len(v) != 3 or v[0] < 0 or v[1] < 0 or not 0 <= v[2] < 1:
+        return "must be [] or [start, slope, max] with start, slope >= 0 and 0 <= max < 1"
+    return None
+
+
 @dataclass
 class AlgorithmSection:
+    name: Literal["flow_grpo", "nft", "awm"] = _option(
+        "flow_grpo",
+        "flow_grpo (SDE log-probs, clipped ratio), nft (DiffusionNFT) or awm (Advantage "
+        "Weighted Matching); the last two train on the clean latent alone, CFG-free.",
+    )
     group_size: int = _option(24, "Images per prompt (the GRPO group).", check=_at_least(2))
     prompts_per_iteration: int = _option(48, "Prompts (groups) per iteration.", check=_at_least(1))
     advantage_std: Literal["global", "group", "none"] = _option(
@@ -208,7 +221,10 @@ class AlgorithmSection:
     advantage_clip: float = _option(5.0, "Advantages are clipped to +-this.", check=_positive)
     clip_range: float = _option(1e-4, "PPO clip range eps of the policy ratio.", check=_positive)
     beta: float = _option(
-        0.04, "Weight of the KL to the reference (LoRA disabled).", check=_at_least(0.0)
+        0.04,
+        "Weight of the KL to the reference (LoRA disabled): the step KL for flow_grpo, "
+        "mean((v - v_ref)^2) for nft / awm (their OCR recipes: 1e-4, 0.003).",
+        check=_at_least(0.0),
     )
     kl_convention: Literal["reference", "gaussian"] = _option(
         "reference",
@@ -220,6 +236,34 @@ class AlgorithmSection:
     )
     recompute_old_logprobs: bool = _option(
         False, "Recompute old log-probs at the start of update instead of the rollout's."
+    )
+    train_timesteps: int = _option(
+        0,
+        "nft / awm: noise levels trained per sample, drawn from the rollout's sigmas; 0 = the "
+        "algorithm's own (nft: int(0.99 T) of T; awm: 6, stratified).",
+        check=_at_least(0),
+    )
+    nft_beta: float = _option(
+        1.0,
+        "nft: beta of the implicit policies v+ = (1 - b) v_old + b v, v- = (1 + b) v_old - b v "
+        "(the authors' OCR recipe: 0.1).",
+        check=_positive,
+    )
+    anchor_decay: list[float] = _option(
+        [],
+        "nft / awm: [start, slope, max]; after each update the anchor (nft: the sampling "
+        "policy; awm: the KL's EMA) moves to the weights with decay 0 before `start` "
+        "optimizer steps, then min(slope (n - start), max). [] = nft [0, 0.001, 0.5], "
+        "awm [0, 0.001, 0.3].",
+        check=_anchor_decay,
+    )
+    anchor_kl: float = _option(
+        1.0, "awm: weight of the velocity KL to the anchor.", check=_at_least(0.0)
+    )
+    awm_power: float = _option(
+        0.25,
+        "awm: p of the generalised-Huber weighting of the flow-matching loss.",
+        check=_in_unit_interval,
     )
 
 

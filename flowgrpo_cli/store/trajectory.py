@@ -38,6 +38,9 @@ TRAJECTORY_COLUMNS = (
     "latents",  # float32[T+1, *latent_shape]: the states around the stochastic steps
     "image",  # PNG bytes
 )
+# The per-step columns. A rollout without stochastic steps (T = 0: nft, awm) leaves them out,
+# and its `latents` holds the clean latent alone: Arrow has no fixed-size list of width 0.
+STEP_COLUMNS = ("timesteps", "timesteps_next", "trained", "log_probs")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,16 @@ def _tensor_column(values: torch.Tensor) -> pa.ExtensionArray:
 
 
 def to_record_batch(rows: TrajectoryRows) -> pa.RecordBatch:
+    steps = {}
+    if rows.log_probs.shape[1]:  # see STEP_COLUMNS
+        steps = {
+            "timesteps": _fixed_list(rows.timesteps.numpy().astype(np.float32), pa.float32()),
+            "timesteps_next": _fixed_list(
+                rows.timesteps_next.numpy().astype(np.float32), pa.float32()
+            ),
+            "trained": _fixed_list(rows.trained.numpy().astype(bool), pa.bool_()),
+            "log_probs": _fixed_list(rows.log_probs.numpy().astype(np.float32), pa.float32()),
+        }
     return pa.record_batch(
         {
             "sample_id": pa.array(rows.sample_ids, pa.string()),
@@ -78,12 +91,7 @@ def to_record_batch(rows: TrajectoryRows) -> pa.RecordBatch:
             "seed": pa.array(rows.seeds, pa.int64()),
             "prompt": pa.array(rows.prompts, pa.string()),
             "ground_truth": pa.array(rows.ground_truths, pa.string()),
-            "timesteps": _fixed_list(rows.timesteps.numpy().astype(np.float32), pa.float32()),
-            "timesteps_next": _fixed_list(
-                rows.timesteps_next.numpy().astype(np.float32), pa.float32()
-            ),
-            "trained": _fixed_list(rows.trained.numpy().astype(bool), pa.bool_()),
-            "log_probs": _fixed_list(rows.log_probs.numpy().astype(np.float32), pa.float32()),
+            **steps,
             "latents": _tensor_column(rows.latents),
             "image": pa.array(rows.images, pa.binary()),
         }
@@ -105,6 +113,17 @@ def tensor_column(column: pa.Array) -> torch.Tensor:
 
 
 def from_record_batch(batch: pa.RecordBatch) -> TrajectoryRows:
+    if "log_probs" not in batch.schema.names:  # no stochastic step: see STEP_COLUMNS
+        empty = torch.zeros(batch.num_rows, 0)
+        steps = {"timesteps": empty, "timesteps_next": empty,
+                 "trained": empty.bool(), "log_probs": empty}  # fmt: skip
+    else:
+        steps = {
+            "timesteps": fixed_list_tensor(batch.column("timesteps")),
+            "timesteps_next": fixed_list_tensor(batch.column("timesteps_next")),
+            "trained": fixed_list_tensor(batch.column("trained"), torch.bool),
+            "log_probs": fixed_list_tensor(batch.column("log_probs")),
+        }
     return TrajectoryRows(
         sample_ids=batch.column("sample_id").to_pylist(),
         prompt_indices=batch.column("prompt_index").to_pylist(),
@@ -112,10 +131,7 @@ def from_record_batch(batch: pa.RecordBatch) -> TrajectoryRows:
         seeds=batch.column("seed").to_pylist(),
         prompts=batch.column("prompt").to_pylist(),
         ground_truths=batch.column("ground_truth").to_pylist(),
-        timesteps=fixed_list_tensor(batch.column("timesteps")),
-        timesteps_next=fixed_list_tensor(batch.column("timesteps_next")),
-        trained=fixed_list_tensor(batch.column("trained"), torch.bool),
-        log_probs=fixed_list_tensor(batch.column("log_probs")),
+        **steps,
         latents=tensor_column(batch.column("latents")),
         images=batch.column("image").to_pylist(),
     )

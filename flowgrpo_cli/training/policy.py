@@ -32,6 +32,7 @@ LORA_PREFIX = "transformer."  # diffusers' key prefix of the transformer's LoRA 
 # A subfolder, not a second file beside the weights: given a folder, load_lora_weights picks any
 # file ending in pytorch_lora_weights.safetensors, so an `ema_` copy there could be loaded instead.
 EMA_FOLDER = "ema"
+ANCHOR_FOLDER = "anchor"  # nft / awm: the soft-updated copy of the weights (training.trainer)
 ADAPTER_NAME = "default"  # the name diffusers' add_adapter gives the one adapter we attach
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -174,9 +175,11 @@ def checkpoint_for(run: RunDir, iteration: int) -> Path | None:
     return folder
 
 
-def checkpoint_version(checkpoint: Path, mode: str) -> str:
-    """The policy version of a checkpoint's weights: 'iter-N:<sha of the weights file>'."""
-    return f"{checkpoint.name}:{sha256_file(checkpoint / weights_file(mode))[:16]}"
+def checkpoint_version(checkpoint: Path, mode: str, folder: str = "") -> str:
+    """The policy version of a checkpoint's weights: 'iter-N:<sha of the weights file>', or
+    'iter-N/FOLDER:<sha>' for the weights in one of its folders (the anchor)."""
+    name = f"{checkpoint.name}/{folder}" if folder else checkpoint.name
+    return f"{name}:{sha256_file(checkpoint / folder / weights_file(mode))[:16]}"
 
 
 def weights_file(mode: str) -> str:
@@ -245,13 +248,14 @@ def _check_lora_config(policy: Policy, path: Path, metadata: dict[str, str]) -> 
             )
 
 
-def load_weights(policy: Policy, checkpoint: Path) -> None:
-    """Load the trained weights of `checkpoint` into the policy and tag its version. Every file
-    of the checkpoint (weights, EMA, optimizer and trainer state) is checked against its
-    manifest first, so neither these weights nor a resumed optimizer is a silently altered one."""
+def load_weights(policy: Policy, checkpoint: Path, folder: str = "") -> None:
+    """Load the trained weights of `checkpoint` (or of its `folder`, e.g. the anchor) into the
+    policy and tag its version. Every file of the checkpoint (weights, EMA, anchor, optimizer
+    and trainer state) is checked against its manifest first, so neither these weights nor a
+    resumed optimizer is a silently altered one."""
     if read_manifest(checkpoint) is not None:
         verify_stage(checkpoint)
-    path = checkpoint / weights_file(policy.mode)
+    path = checkpoint / folder / weights_file(policy.mode)
     if not path.is_file():
         raise FlowGrpoError(
             f"{path} is missing: checkpoint {checkpoint} was not written in "
@@ -262,7 +266,7 @@ def load_weights(policy: Policy, checkpoint: Path) -> None:
         _load_lora_state(policy.transformer, state, path)
     else:
         _load_full_state(policy.transformer, state, path)
-    policy.version = checkpoint_version(checkpoint, policy.mode)
+    policy.version = checkpoint_version(checkpoint, policy.mode, folder)
 
 
 def _load_lora_state(transformer: torch.nn.Module, state: dict, path: Path) -> None:

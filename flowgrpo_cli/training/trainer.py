@@ -23,13 +23,16 @@ from typing import Any
 
 import torch
 
+from flowgrpo_cli.algorithm.registry import anchor_decay, anchor_schedule, spec
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import dist_info
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.rundir import atomic_file, atomic_write_bytes
 from flowgrpo_cli.training.policy import (
+    ANCHOR_FOLDER,
     EMA_FOLDER,
     Policy,
+    checkpoint_version,
     read_weights,
     weights_file,
     write_weights,
@@ -68,11 +71,15 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             list(self.parameters.values()), lr=train.lr, weight_decay=train.weight_decay
         )
-        self.ema = (
-            {n: p.detach().clone() for n, p in self.parameters.items()}
-            if train.ema_decay > 0
-            else None
-        )
+        self.ema = self._copy_of_weights() if train.ema_decay > 0 else None
+        # nft / awm: a soft-updated copy of the weights (see algorithm.registry); nft samples
+        # with it, awm keeps the policy near it. It starts as the policy itself.
+        self.anchor_schedule = anchor_schedule(config.algorithm)
+        self.anchor = self._copy_of_weights() if self.anchor_schedule is not None else None
+        self.anchor_version = policy.version
+
+    def _copy_of_weights(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.parameters.items()}
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -149,26 +156,57 @@ class Trainer:
             for name, param in self.parameters.items():
                 self.ema[name].lerp_(param.detach(), weight)
 
-    @contextlib.contextmanager
-    def ema_weights(self) -> Iterator[None]:
+    def ema_weights(self) -> contextlib.AbstractContextManager[None]:
         """Evaluate with the EMA of the trained weights (no-op when EMA is off); the policy's
         version says so, so an evaluation of EMA weights is never mistaken for the raw ones."""
         if self.ema is None:
-            yield
-            return
-        version = self.policy.version
+            return contextlib.nullcontext()
+        return self._swapped_in(self.ema, f"{self.policy.version}+ema")
+
+    def sampling_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The weights rollout samples with: the anchor for nft, else the policy's own."""
+        if self.anchor is None or not spec(self.config.algorithm.name).samples_with_anchor:
+            return contextlib.nullcontext()
+        return self._swapped_in(self.anchor, self.anchor_version)
+
+    def sampling_version(self) -> str:
+        """The version of the weights rollout samples with (see sampling_weights)."""
+        if self.anchor is None or not spec(self.config.algorithm.name).samples_with_anchor:
+            return self.policy.version
+        return self.anchor_version
+
+    def anchor_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The anchor's velocity (nft's v_old, awm's KL target); no gradient flows to it."""
+        if self.anchor is None:
+            raise FlowGrpoError(f"algorithm {self.config.algorithm.name!r} keeps no anchor")
+        return self._swapped_in(self.anchor, self.anchor_version)
+
+    @contextlib.contextmanager
+    def _swapped_in(self, weights: dict[str, torch.Tensor], version: str) -> Iterator[None]:
+        own_version = self.policy.version
         with torch.no_grad():
-            backup = {n: p.detach().clone() for n, p in self.parameters.items()}
+            backup = self._copy_of_weights()
             for name, param in self.parameters.items():
-                param.copy_(self.ema[name])
-        self.policy.version = f"{version}+ema"
+                param.copy_(weights[name])
+        self.policy.version = version
         try:
             yield
         finally:
             with torch.no_grad():
                 for name, param in self.parameters.items():
                     param.copy_(backup[name])
-            self.policy.version = version
+            self.policy.version = own_version
+
+    def update_anchor(self) -> float:
+        """After an iteration's update: anchor <- d anchor + (1 - d) weights, d from the
+        schedule at the optimizer steps taken so far (the reference's order). Returns d."""
+        if self.anchor is None:
+            return 0.0
+        decay = anchor_decay(self.anchor_schedule, self.state.optimizer_steps)
+        with torch.no_grad():
+            for name, param in self.parameters.items():
+                self.anchor[name].lerp_(param.detach(), 1.0 - decay)
+        return decay
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -189,13 +227,19 @@ class Trainer:
             transformer, options=replace(options, ignore_frozen_params=True)
         )
         optimizer_state = get_optimizer_state_dict(transformer, self.optimizer, options=options)
-        ema = {n: _full(t).cpu() for n, t in self.ema.items()} if self.ema else None
+        shadows = {EMA_FOLDER: self.ema, ANCHOR_FOLDER: self.anchor}
+        shadows = {
+            folder_name: {n: _full(t).cpu() for n, t in shadow.items()}
+            for folder_name, shadow in shadows.items()
+            if shadow is not None
+        }
         if not dist_info().is_main:
             return []
         folder.mkdir(parents=True, exist_ok=True)
         weights = {weights_file(self.policy.mode): model_state}
-        if ema is not None:  # a folder of its own that load_lora_weights() reads the same way
-            weights[f"{EMA_FOLDER}/{weights_file(self.policy.mode)}"] = ema
+        # Folders of their own, which load_lora_weights() reads the same way as the weights.
+        for folder_name, shadow in shadows.items():
+            weights[f"{folder_name}/{weights_file(self.policy.mode)}"] = shadow
         for name, state in weights.items():
             write_weights(self.policy, folder / name, self._export(state))
         files = list(weights)
@@ -234,21 +278,30 @@ class Trainer:
         )  # fmt: skip
         self.state = TrainerState(**json.loads((folder / TRAINER_STATE).read_text()))
         if self.ema is not None:
-            self._load_ema(folder)
+            self._load_shadow(self.ema, folder / EMA_FOLDER)
+        if self.anchor is not None and self._load_shadow(self.anchor, folder / ANCHOR_FOLDER):
+            self.anchor_version = checkpoint_version(folder, self.policy.mode, ANCHOR_FOLDER)
 
-    def _load_ema(self, folder: Path) -> None:
-        path = folder / EMA_FOLDER / weights_file(self.policy.mode)
-        if not path.is_file():  # EMA switched on mid-run: start it from the current weights
-            return
+    def save_done(self, folder: Path) -> None:
+        """After `folder` is written: the anchor's version is now its file's."""
+        if self.anchor is not None:
+            self.anchor_version = checkpoint_version(folder, self.policy.mode, ANCHOR_FOLDER)
+
+    def _load_shadow(self, shadow: dict[str, torch.Tensor], folder: Path) -> bool:
+        """Load saved EMA or anchor weights into `shadow`; False when there are none (switched
+        on mid-run: the copy starts from the current weights)."""
+        path = folder / weights_file(self.policy.mode)
+        if not path.is_file():
+            return False
         saved = read_weights(self.policy, path)
-        own = self._export({n: _full(t) for n, t in self.ema.items()})
+        own = self._export({n: _full(t) for n, t in shadow.items()})
         if saved.keys() != own.keys():
             raise FlowGrpoError(f"{path} does not match the model's trainable weights")
-        by_export_key = dict(zip(own.keys(), self.ema.keys(), strict=True))
+        by_export_key = dict(zip(own.keys(), shadow.keys(), strict=True))
         with torch.no_grad():
             for key, value in saved.items():
-                target = self.ema[by_export_key[key]]
-                _copy_into(target, value)
+                _copy_into(shadow[by_export_key[key]], value)
+        return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,61 @@
+"""The algorithms `algorithm.name` selects, and what each asks of the stages around it.
+
+Rollout, score, advantages, the run directory, resume and FSDP are shared; an algorithm says
+what rollout must store for it and which weights sample, and brings its own loss
+(algorithm.loss for flow_grpo, algorithm.nft, algorithm.awm).
+
+- flow_grpo: the SDE trajectory with per-step log-probs; the clipped ratio of those.
+- nft (DiffusionNFT, Zheng et al. 2025) and awm (Advantage Weighted Matching, Xue et al. 2025)
+  are forward-process methods: they re-noise the final clean latent and train a flow-matching
+  loss, so rollout keeps that latent alone, and any sampler (ODE included) will do. Both keep
+  an *anchor*, a copy of the weights that follows them slowly: nft samples with it and
+  contrasts against it, awm adds a KL to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    needs_trajectory: bool  # rollout stores the states around each stochastic step + log-probs
+    samples_with_anchor: bool  # rollout samples with the anchor, not the trained weights
+    # [start, slope, max] of the anchor's decay (see anchor_decay); None: no anchor
+    default_anchor_decay: tuple[float, float, float] | None
+    default_train_timesteps: str  # what algorithm.train_timesteps = 0 means, for messages
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None, ""),
+    # DiffusionNFT's default decay (its `decay_type` 1); its OCR recipe uses [75, 0.0075, 0.999].
+    "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5), "int(0.99 T)"),
+    # AWM's `kl_ema_decay_type = "linear"` with kl_ema_decay 0.3.
+    "awm": AlgorithmSpec("awm", False, False, (0.0, 0.001, 0.3), "6"),
+}
+
+
+def spec(name: str) -> AlgorithmSpec:
+    return ALGORITHMS[name]
+
+
+def anchor_schedule(section: Any) -> tuple[float, float, float] | None:
+    """The [algorithm] section's anchor decay schedule, or None when the algorithm keeps none."""
+    default = spec(section.name).default_anchor_decay
+    if default is None:
+        return None
+    return tuple(section.anchor_decay) if section.anchor_decay else default
+
+
+def anchor_decay(schedule: tuple[float, float, float], optimizer_steps: int) -> float:
+    """d after n optimizer steps: 0 before `start`, then min(slope (n - start), max).
+
+    anchor <- d anchor + (1 - d) weights after each update: d = 0 makes the anchor the
+    weights themselves (on-policy), d near 1 makes it trail them far behind.
+    """
+    start, slope, most = schedule
+    if optimizer_steps < start:
+        return 0.0
+    return min(slope * (optimizer_steps - start), most)

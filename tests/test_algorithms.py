@@ -1,0 +1,224 @@
+"""nft (DiffusionNFT) and awm (Advantage Weighted Matching): their losses against values worked
+out by hand from the papers' formulas, the direction of their gradients, their noise-level
+draws and anchor schedule, what rollout stores for them, and their updates end to end."""
+
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import do_rollout, do_score
+from safetensors.torch import load_file
+
+from flowgrpo_cli.algorithm.awm import awm_loss
+from flowgrpo_cli.algorithm.forward import awm_timestep_indices, nft_timestep_indices, noised
+from flowgrpo_cli.algorithm.nft import nft_loss, optimality
+from flowgrpo_cli.algorithm.registry import anchor_decay
+from flowgrpo_cli.loop import run_loop
+from flowgrpo_cli.store.rundir import ROLLOUT
+from flowgrpo_cli.store.trajectory import STEP_COLUMNS, from_record_batch, iter_batches, open_part
+
+ONE = (1, 1)  # a batch of one sample whose latent is a single element
+
+
+def scalar(value: float) -> torch.Tensor:
+    return torch.full(ONE, value)
+
+
+def test_optimality_is_the_clipped_advantage_mapped_to_0_1():
+    a = torch.tensor([-10.0, -5.0, 0.0, 2.5, 5.0, 7.0])
+    assert optimality(a, 5.0).tolist() == [0.0, 0.0, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_noised_latent_interpolates_data_and_noise():
+    x0, eps = torch.tensor([[1.0], [1.0]]), torch.tensor([[3.0], [3.0]])
+    assert noised(x0, eps, torch.tensor([0.5, 0.25])).flatten().tolist() == [2.0, 1.5]
+
+
+def nft_case(v: float, advantage: float, **kw):
+    # x0 = 1, eps = 3, t = 0.5: x_t = 2; v_old = 1; b = 0.5; c = 5.
+    v_t = scalar(v).requires_grad_()
+    out = nft_loss(
+        v_t, scalar(1.0), scalar(2.0), scalar(1.0), torch.tensor([0.5]),
+        torch.tensor([advantage]), nft_beta=0.5, advantage_clip=5.0, **kw,
+    )  # fmt: skip
+    return out, v_t
+
+
+def test_nft_loss_by_hand():
+    # v = 4: v+ = 0.5*4 + 0.5*1 = 2.5, x0+ = 2 - 0.5*2.5 = 0.75, error -0.25:
+    #   L+ = 0.0625 / 0.25 = 0.25.  v- = 1.5*1 - 0.5*4 = -0.5, x0- = 2.25, error 1.25:
+    #   L- = 1.5625 / 1.25 = 1.25.
+    # A = 5 (r = 1): 5 * (1 * 0.25) / 0.5 = 2.5.  A = 2.5 (r = 0.75): 5 * (0.1875 + 0.3125) /
+    # 0.5 = 5.0.
+    out, _ = nft_case(4.0, 5.0)
+    assert out.loss.item() == pytest.approx(2.5)
+    assert out.loss_positive.item() == pytest.approx(0.25)
+    assert out.loss_negative.item() == pytest.approx(1.25)
+    assert nft_case(4.0, 2.5)[0].loss.item() == pytest.approx(5.0)
+    # the velocity KL: (v - v_ref)^2 = (4 - 2)^2 = 4, weight 0.1
+    with_kl = nft_case(4.0, 5.0, beta=0.1, v_ref=scalar(2.0))[0]
+    assert with_kl.loss.item() == pytest.approx(2.5 + 0.4)
+    assert with_kl.kl.item() == pytest.approx(4.0)
+
+
+def test_nft_gradient_by_hand_and_its_direction():
+    # r = 1, v = 4: d/dv [5 * L+ / 0.5], L+ = err^2 / sg|err|, d err / dv = -t b = -0.25:
+    # 10 * 2 * (-0.25) * (-0.25) / 0.25 = 5.
+    out, v = nft_case(4.0, 5.0)
+    out.loss.backward()
+    assert v.grad.item() == pytest.approx(5.0)
+    # At v = v_old (where each update starts: the anchor is the policy) both implicit policies
+    # are v_old, err = x_t - t v_old - x0 = 0.5, and the gradient is 2 c t sign(err) (1 - 2r)
+    # = 5 (1 - 2r): a reward above the group's mean (r > 1/2) moves v up, from v_old = 1 toward
+    # the target eps - x0 = 2; one below moves it away; r = 1/2 leaves it.
+    for advantage, r in [(5.0, 1.0), (2.5, 0.75), (0.0, 0.5), (-5.0, 0.0)]:
+        out, v = nft_case(1.0, advantage)
+        out.loss.backward()
+        assert v.grad.item() == pytest.approx(5.0 * (1 - 2 * r), abs=1e-6)
+
+
+def awm_case(v: float, advantage: float, **kw):
+    # target eps - x0 = 1, t = 0.5, p = 0.25, c = 5.
+    v_t = scalar(v).requires_grad_()
+    out = awm_loss(
+        v_t, scalar(1.0), torch.tensor([0.5]), torch.tensor([advantage]), power=0.25,
+        advantage_clip=5.0, **kw,
+    )  # fmt: skip
+    return out, v_t
+
+
+def test_awm_loss_and_gradient_by_hand():
+    # v = 3: m = 4; logp = -((4 + 1e-10)^0.25 - 1e-10^0.25) 0.5 / 0.25 = -2 (sqrt 2 - 0.01)
+    out, v = awm_case(3.0, 2.5)
+    assert out.log_prob.item() == pytest.approx(-2 * (math.sqrt(2) - 1e-10**0.25), rel=1e-6)
+    assert out.fm_loss.item() == pytest.approx(4.0)
+    assert out.pg_loss.item() == pytest.approx(-0.5)  # -A' with A' = 2.5 / 5, the ratio is 1
+    # d pg / dv = -A' d logp / dv = 0.5 * 0.25 m^-0.75 * 2 (v - target) * t / p
+    out.loss.backward()
+    expected = 0.5 * 0.25 * 4**-0.75 * 2 * 2 * 0.5 / 0.25
+    assert v.grad.item() == pytest.approx(expected, rel=1e-5)
+    assert v.grad.item() > 0  # a positive advantage lowers v toward the target 1
+    out, v = awm_case(3.0, -2.5)
+    out.loss.backward()
+    assert v.grad.item() < 0  # a negative one raises the sample's error
+
+
+def test_awm_kl_terms_by_hand():
+    out, _ = awm_case(3.0, 2.5, beta=0.1, v_ref=scalar(2.0), anchor_kl=1.0,
+                      v_anchor=scalar(3.5))  # fmt: skip
+    # -0.5 + 0.1 * (3 - 2)^2 + 1.0 * (3 - 3.5)^2
+    assert out.loss.item() == pytest.approx(-0.5 + 0.1 + 0.25)
+    assert (out.kl.item(), out.kl_anchor.item()) == pytest.approx((1.0, 0.25))
+
+
+def test_nft_draws_distinct_steps_of_the_grid():
+    for seed in range(20):
+        picks = nft_timestep_indices(10, 9, torch.Generator().manual_seed(seed)).tolist()
+        assert len(set(picks)) == 9 and all(0 <= p < 10 for p in picks)
+
+
+def test_awm_draws_one_step_per_stratum():
+    # 14 steps, 6 draws: bounds linspace(1, int(12.6), 7) = [1, 2, 4, 6, 8, 10, 12] (truncated)
+    seen = set()
+    for seed in range(50):
+        picks = awm_timestep_indices(14, 6, torch.Generator().manual_seed(seed)).tolist()
+        for pick, (low, high) in zip(picks, [(1, 2), (2, 4), (4, 6), (6, 8), (8, 10), (10, 12)],
+                                     strict=True):  # fmt: skip
+            assert low <= pick < high
+        seen.update(picks)
+    assert seen == set(range(1, 12))  # never sigma = 1 (step 0) nor the last tenth
+
+
+@pytest.mark.parametrize(
+    ("schedule", "steps", "expected"),
+    [
+        ((0.0, 0.001, 0.5), 0, 0.0),
+        ((0.0, 0.001, 0.5), 300, 0.3),
+        ((0.0, 0.001, 0.5), 900, 0.5),
+        ((75.0, 0.0075, 0.999), 74, 0.0),  # DiffusionNFT's OCR schedule
+        ((75.0, 0.0075, 0.999), 175, 0.75),
+        ((75.0, 0.0075, 0.999), 10_000, 0.999),
+    ],
+)
+def test_anchor_decay_schedule(schedule, steps, expected):
+    assert anchor_decay(schedule, steps) == pytest.approx(expected)
+
+
+FORWARD = ("sampler.guidance_scale=1.0", "eval.guidance_scale=1.0", "algorithm.beta=0.0001")
+
+
+def test_forward_methods_store_the_clean_latent_alone(make_run):
+    """Same seeds and sampler: the nft part holds exactly the last state of flow_grpo's."""
+    config, run = make_run(*FORWARD, "algorithm.name=nft", name="nft")
+    reference_config, reference = make_run(*FORWARD, name="flow_grpo")
+    do_rollout(config, run)
+    do_rollout(reference_config, reference)
+    part = run.stage_dir(0, ROLLOUT) / "part-00000-of-00001.arrow"
+    full_part = reference.stage_dir(0, ROLLOUT) / part.name
+    assert not set(STEP_COLUMNS) & set(open_part(part).schema.names)
+    ours = from_record_batch(next(iter_batches([part])))
+    full = from_record_batch(next(iter_batches([full_part])))
+    assert ours.log_probs.shape == (4, 0) and ours.latents.shape[1] == 1
+    assert torch.equal(ours.latents[:, 0], full.latents[:, -1])
+
+
+@pytest.mark.parametrize("name", ["nft", "awm"])
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_checkpoint(make_run, name):
+    """Two iterations in one go, or one and then a fresh process-like start from the
+    checkpoint (anchor included): the same bytes, anchor and optimizer state included."""
+    config, straight = make_run(*FORWARD, f"algorithm.name={name}", name="straight")
+    run_loop(config, straight, 2)
+    config, resumed = make_run(*FORWARD, f"algorithm.name={name}", name="resumed")
+    run_loop(config, resumed, 1)
+    run_loop(config, resumed, 2)
+    files = ["pytorch_lora_weights.safetensors", "anchor/pytorch_lora_weights.safetensors",
+             "optimizer.safetensors"]  # fmt: skip
+    for file in files:
+        a = (straight.checkpoint_dir(1) / file).read_bytes()
+        assert a == (resumed.checkpoint_dir(1) / file).read_bytes(), file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["nft", "awm"])
+def test_two_processes_train_the_same_weights_and_anchor_as_one(make_run, name):
+    """Each sample draws its noise levels and noises from its own generator, so splitting the
+    batches over ranks changes nothing: FSDP2's step equals the single-process one."""
+    config, run = make_run(*FORWARD, f"algorithm.name={name}", "sampler.batch_size=2",
+                           "algorithm.anchor_decay=[0, 0.2, 0.5]")  # fmt: skip
+    do_rollout(config, run)
+    do_score(config, run)
+    copies = {n: run.root.parent / f"nproc{n}" for n in (1, 2)}
+    for nproc, folder in copies.items():
+        shutil.copytree(run.root, folder)
+        result = subprocess.run(
+            [sys.executable, "-m", "flowgrpo_cli", "update", "--run", str(folder),
+             "--nproc", str(nproc)], capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    for file in ("pytorch_lora_weights.safetensors", "anchor/pytorch_lora_weights.safetensors"):
+        one, two = (load_file(f / "checkpoints/iter-000000" / file) for f in copies.values())
+        assert one.keys() == two.keys()
+        assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5, file
+
+
+@pytest.mark.parametrize("name", ["nft", "awm"])
+def test_a_short_run_raises_the_reward(make_run, name, monkeypatch):
+    """Brightness (the demo's reward) on the tiny model, one optimizer step of 32 images per
+    iteration: over 12 iterations the mean rollout reward of the last 3 beats the first 3 by
+    several times its iteration-to-iteration noise (about 5e-4; measured: nft +5.7e-3, awm
+    +4.1e-3). With two optimizer steps per iteration neither moves: each step's gradient is
+    then mostly the noise of its 16 samples' draws, and Adam's normalised steps cancel."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples" / "plugins"))
+    config, run = make_run(
+        *FORWARD, f"algorithm.name={name}", "sampler.noise_level=0", "sampler.num_steps=4",
+        "sampler.batch_size=16", "algorithm.group_size=8", "algorithm.prompts_per_iteration=4",
+        "algorithm.beta=0", "algorithm.anchor_kl=0", "train.lr=1e-2", "train.steps_per_epoch=1",
+        "train.lora_rank=8", "train.lora_alpha=16", "train.micro_batch_size=8",
+        "model.max_sequence_length=32", 'reward.weights={"brightness:score" = 1.0}',
+    )  # fmt: skip
+    rewards = [s.metrics["reward/mean"] for s in run_loop(config, run, 12)]
+    assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 2e-3, rewards
