@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ("rollout", "update", "arrow", "ocr", "memory", "loop")
+BENCHMARKS = ("rollout", "update", "arrow", "ocr", "memory", "loop", "algorithms")
 
 
 def main(argv: list[str] | None = None) -> int:
