@@ -26,8 +26,16 @@ import torch
 
 from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
 from flowgrpo_cli.algorithm.awm import AWM_FOLDS
-from flowgrpo_cli.algorithm.loss import FLOW_GRPO_FOLDS, LossMetrics, kl_std, policy_loss
+from flowgrpo_cli.algorithm.grpo_guard import normalized_log_ratio, step_weight
+from flowgrpo_cli.algorithm.loss import (
+    FLOW_GRPO_FOLDS,
+    GRPO_GUARD_FOLDS,
+    LossMetrics,
+    kl_std,
+    policy_loss,
+)
 from flowgrpo_cli.algorithm.nft import NFT_FOLDS
+from flowgrpo_cli.algorithm.registry import spec
 from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, StepOutput
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info
@@ -64,7 +72,8 @@ from flowgrpo_cli.training.trainer import Trainer
 
 ADVANTAGES = "advantages.arrow"
 # Each algorithm's loss output fields and how update/... metrics fold them.
-FOLDS = {"flow_grpo": FLOW_GRPO_FOLDS, "nft": NFT_FOLDS, "awm": AWM_FOLDS}
+FOLDS = {"flow_grpo": FLOW_GRPO_FOLDS, "grpo_guard": GRPO_GUARD_FOLDS, "nft": NFT_FOLDS,
+         "awm": AWM_FOLDS}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -338,7 +347,7 @@ def _train(
         f"update iter {iteration}", total=sum(len(m) for *_, m in plan), unit="micro-batches"
     )
     name = config.algorithm.name
-    policy_gradient = name == "flow_grpo"
+    policy_gradient = spec(name).needs_trajectory
     old_log_probs = (
         _recompute_old_logprobs(config, trainer, data, samples)
         if policy_gradient and config.algorithm.recompute_old_logprobs
@@ -421,6 +430,7 @@ def _backward_micro_batch(
     that an optimizer step's gradient is the mean over its samples and steps (over every
     rank). Returns |new - stored log-prob| of its steps: the on-policy gap before a step."""
     policy, beta = trainer.policy, config.algorithm.beta
+    guard = config.algorithm.name == "grpo_guard"
     world = dist_info().world_size
     real = bool(indices)
     indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
@@ -433,6 +443,13 @@ def _backward_micro_batch(
     weight = (len(indices) * world / (batch_size * len(positions))) if real else 0.0
     gaps = []
     for position in positions:
+        old_mean = None
+        if guard:  # the sampling weights' mean; before the graph of the trained forward exists
+            with torch.no_grad(), trainer.anchor_weights():
+                old_step = stored_step(
+                    policy.adapter, data.rollout, rows, position, cond, policy.device
+                )
+                old_mean = old_step.mean
         out = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
         stored = rows.log_probs[:, position].to(policy.device)
         old = stored
@@ -453,6 +470,16 @@ def _backward_micro_batch(
             mean=out.mean if beta > 0 else None,
             ref_mean=ref_mean,
             std=kl_std(out, config.algorithm.kl_convention) if beta > 0 else None,
+            clipped_log_ratio=(
+                normalized_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
+                if guard
+                else None
+            ),
+            pg_scale=(
+                step_weight(rows.timesteps[:, position], rows.timesteps_next[:, position])
+                if guard
+                else 1.0
+            ),
         )
         (result.loss * weight).backward()
         if real:

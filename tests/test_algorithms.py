@@ -1,6 +1,7 @@
-"""nft (DiffusionNFT) and awm (Advantage Weighted Matching): their losses against values worked
-out by hand from the papers' formulas, the direction of their gradients, their noise-level
-draws and anchor schedule, what rollout stores for them, and their updates end to end."""
+"""grpo_guard, nft (DiffusionNFT) and awm (Advantage Weighted Matching): their losses against
+values worked out by hand from the papers' formulas, the direction of their gradients, their
+noise-level draws and anchor schedule, what rollout stores for them, and their updates end to
+end."""
 
 import math
 import shutil
@@ -15,6 +16,8 @@ from safetensors.torch import load_file
 
 from flowgrpo_cli.algorithm.awm import awm_loss
 from flowgrpo_cli.algorithm.forward import awm_timestep_indices, nft_timestep_indices, noised
+from flowgrpo_cli.algorithm.grpo_guard import normalized_log_ratio, step_weight
+from flowgrpo_cli.algorithm.loss import policy_loss
 from flowgrpo_cli.algorithm.nft import nft_loss, optimality
 from flowgrpo_cli.algorithm.registry import anchor_decay
 from flowgrpo_cli.loop import run_loop
@@ -36,6 +39,47 @@ def test_optimality_is_the_clipped_advantage_mapped_to_0_1():
 def test_noised_latent_interpolates_data_and_noise():
     x0, eps = torch.tensor([[1.0], [1.0]]), torch.tensor([[3.0], [3.0]])
     assert noised(x0, eps, torch.tensor([0.5, 0.25])).flatten().tolist() == [2.0, 1.5]
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, s: float) -> torch.Tensor:
+    """The step's log-prob as sde_step takes it: log N(x; mean, s^2) averaged per sample."""
+    density = -((x - mean) ** 2) / (2 * s**2) - math.log(s) - 0.5 * math.log(2 * math.pi)
+    return density.mean(dim=1)
+
+
+def test_ratio_norm_by_hand():
+    # one element: mu_old = 0, mu = 0.1, s = 0.5, eps = 1, so x = 0.5.
+    # logp - logp_old = (-(0.4^2) + 0.5^2) / (2 * 0.25) = 0.18; bias = 0.01 / 0.5 = 0.02;
+    # (0.18 + 0.02) * 0.5 = 0.1 = eps * (mu - mu_old).
+    x, mu, mu_old = torch.tensor([[0.5]]), torch.tensor([[0.1]]), torch.tensor([[0.0]])
+    logp, old = gaussian_log_prob(x, mu, 0.5), gaussian_log_prob(x, mu_old, 0.5)
+    log_r = normalized_log_ratio(logp, old, mu, mu_old, torch.tensor([0.5]))
+    assert log_r.item() == pytest.approx(0.1, rel=1e-5)
+
+
+def test_ratio_norm_is_the_noise_times_the_mean_shift_whatever_the_step_std():
+    generator = torch.Generator().manual_seed(0)
+    mu_old = torch.randn(3, 64, generator=generator)
+    mu = mu_old + 0.01 * torch.randn(3, 64, generator=generator)
+    eps = torch.randn(3, 64, generator=generator)
+    for s in (0.02, 0.3):  # the raw log-ratio scales as 1/s; the normalised one does not
+        x = mu_old + s * eps
+        log_r = normalized_log_ratio(
+            gaussian_log_prob(x, mu, s), gaussian_log_prob(x, mu_old, s), mu, mu_old,
+            torch.full((3,), s),
+        )  # fmt: skip
+        torch.testing.assert_close(log_r, (eps * (mu - mu_old)).mean(dim=1), rtol=1e-4, atol=1e-6)
+
+
+def test_guard_weights_the_policy_term_by_one_over_dt():
+    assert step_weight(torch.tensor([0.9, 0.9]), torch.tensor([0.5, 0.5])) == pytest.approx(2.5)
+    # ratio exp(0.2) > 1 + eps with A = 1: pg = -clip(ratio) = -(1 + 0.1); times 2.5
+    out = policy_loss(
+        torch.tensor([0.0]), torch.tensor([0.0]), torch.tensor([1.0]), clip_range=0.1,
+        clipped_log_ratio=torch.tensor([0.2]), pg_scale=2.5,
+    )  # fmt: skip
+    assert out.loss.item() == pytest.approx(-1.1 * 2.5)
+    assert (out.ratio_mean.item(), out.raw_ratio_mean.item()) == pytest.approx((math.exp(0.2), 1.0))
 
 
 def nft_case(v: float, advantage: float, **kw):
@@ -166,7 +210,7 @@ def test_forward_methods_store_the_clean_latent_alone(make_run):
     assert torch.equal(ours.latents[:, 0], full.latents[:, -1])
 
 
-@pytest.mark.parametrize("name", ["nft", "awm"])
+@pytest.mark.parametrize("name", ["grpo_guard", "nft", "awm"])
 def test_a_resumed_run_ends_with_the_uninterrupted_runs_checkpoint(make_run, name):
     """Two iterations in one go, or one and then a fresh process-like start from the
     checkpoint (anchor included): the same bytes, anchor and optimizer state included."""
@@ -183,7 +227,7 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_checkpoint(make_run, nam
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["nft", "awm"])
+@pytest.mark.parametrize("name", ["grpo_guard", "nft", "awm"])
 def test_two_processes_train_the_same_weights_and_anchor_as_one(make_run, name):
     """Each sample draws its noise levels and noises from its own generator, so splitting the
     batches over ranks changes nothing: FSDP2's step equals the single-process one."""
@@ -205,20 +249,31 @@ def test_two_processes_train_the_same_weights_and_anchor_as_one(make_run, name):
         assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-5, file
 
 
-@pytest.mark.parametrize("name", ["nft", "awm"])
+# Per algorithm, what the learning check changes: grpo_guard samples as the demo does (SDE,
+# CFG); nft and awm roll out CFG-free with the ODE and take one optimizer step per iteration.
+LEARNING = {
+    "grpo_guard": ("sampler.noise_level=1.0", "sampler.guidance_scale=4.5",
+                   "algorithm.clip_range=0.2"),
+    "nft": (*FORWARD, "sampler.noise_level=0", "train.steps_per_epoch=1"),
+    "awm": (*FORWARD, "sampler.noise_level=0", "train.steps_per_epoch=1"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LEARNING))
 def test_a_short_run_raises_the_reward(make_run, name, monkeypatch):
-    """Brightness (the demo's reward) on the tiny model, one optimizer step of 32 images per
-    iteration: over 12 iterations the mean rollout reward of the last 3 beats the first 3 by
-    several times its iteration-to-iteration noise (about 5e-4; measured: nft +5.7e-3, awm
-    +4.1e-3). With two optimizer steps per iteration neither moves: each step's gradient is
-    then mostly the noise of its 16 samples' draws, and Adam's normalised steps cancel."""
+    """Brightness (the demo's reward) on the tiny model, 32 images per iteration: over 12
+    iterations the mean rollout reward of the last 3 beats the first 3 by several times its
+    iteration-to-iteration noise (about 5e-4; measured: grpo_guard +5e-3, nft +5.7e-3, awm
+    +4.1e-3). With two optimizer steps per iteration nft and awm do not move: each step's
+    gradient is then mostly the noise of its 16 samples' draws, and Adam's normalised steps
+    cancel."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "examples" / "plugins"))
     config, run = make_run(
-        *FORWARD, f"algorithm.name={name}", "sampler.noise_level=0", "sampler.num_steps=4",
+        *LEARNING[name], f"algorithm.name={name}", "sampler.num_steps=4",
         "sampler.batch_size=16", "algorithm.group_size=8", "algorithm.prompts_per_iteration=4",
-        "algorithm.beta=0", "algorithm.anchor_kl=0", "train.lr=1e-2", "train.steps_per_epoch=1",
-        "train.lora_rank=8", "train.lora_alpha=16", "train.micro_batch_size=8",
-        "model.max_sequence_length=32", 'reward.weights={"brightness:score" = 1.0}',
+        "algorithm.beta=0", "algorithm.anchor_kl=0", "train.lr=1e-2", "train.lora_rank=8",
+        "train.lora_alpha=16", "train.micro_batch_size=8", "model.max_sequence_length=32",
+        'reward.weights={"brightness:score" = 1.0}',
     )  # fmt: skip
     rewards = [s.metrics["reward/mean"] for s in run_loop(config, run, 12)]
     assert sum(rewards[-3:]) / 3 - sum(rewards[:3]) / 3 > 2e-3, rewards

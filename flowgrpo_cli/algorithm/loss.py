@@ -32,7 +32,8 @@ class LossOutput:
     clipfrac: torch.Tensor  # share of samples with |ratio - 1| > eps
     clipfrac_above: torch.Tensor  # ratio > 1 + eps
     clipfrac_below: torch.Tensor  # ratio < 1 - eps
-    ratio_mean: torch.Tensor
+    ratio_mean: torch.Tensor  # of the ratio the clip acts on (GRPO-Guard: normalised)
+    raw_ratio_mean: torch.Tensor  # of exp(logp - logp_old) itself
     ratio_min: torch.Tensor
     ratio_max: torch.Tensor
     log_ratio_max_abs: torch.Tensor  # on-policy gap: ~0 before the first optimizer step
@@ -49,6 +50,8 @@ def policy_loss(
     mean: torch.Tensor | None = None,
     ref_mean: torch.Tensor | None = None,
     std: torch.Tensor | None = None,
+    clipped_log_ratio: torch.Tensor | None = None,
+    pg_scale: float = 1.0,
 ) -> LossOutput:
     """Loss of one trained step for a batch: log-probs and advantages [B].
 
@@ -56,6 +59,10 @@ def policy_loss(
     std [B] the KL's divisor d, kl_std(step, convention). They are needed when beta > 0; given
     with beta = 0 the KL is only measured. Old log-probs, advantages, ref_mean and std are
     treated as data.
+
+    GRPO-Guard (algorithm.grpo_guard) passes `clipped_log_ratio`, the normalised log-ratio
+    the ratio and its clip are taken of, and `pg_scale`, its per-step weight of the policy
+    term; approx_kl and the on-policy gap stay those of logp - logp_old.
     """
     if not clip_range > 0.0:
         raise FlowGrpoError(f"clip_range={clip_range}: must be > 0 (Flow-GRPO uses 1e-4)")
@@ -66,10 +73,10 @@ def policy_loss(
     logp = log_prob.float()  # [B]
     adv = advantages.detach().float()  # [B]
     log_ratio = logp - old_log_prob.detach().float()  # [B]
-    ratio = torch.exp(log_ratio)  # [B]
+    ratio = torch.exp(log_ratio if clipped_log_ratio is None else clipped_log_ratio)  # [B]
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
-    pg_loss = torch.maximum(unclipped, clipped).mean()
+    pg_loss = torch.maximum(unclipped, clipped).mean() * pg_scale
 
     kl = _kl(mean, ref_mean, std, beta, logp)
     # Skip the KL term at beta = 0 so that an infinite KL (std 0) cannot turn the loss into NaN.
@@ -89,6 +96,7 @@ def policy_loss(
             clipfrac_above=above.mean(),
             clipfrac_below=below.mean(),
             ratio_mean=r.mean(),
+            raw_ratio_mean=torch.exp(lr).mean(),
             ratio_min=r.min(),
             ratio_max=r.max(),
             log_ratio_max_abs=lr.abs().max(),
@@ -163,6 +171,8 @@ FLOW_GRPO_FOLDS: dict[str, str] = {
     "ratio_max": "max",
     "log_ratio_max_abs": "max",
 }
+# GRPO-Guard reports the ratio before its normalisation too.
+GRPO_GUARD_FOLDS: dict[str, str] = {**FLOW_GRPO_FOLDS, "raw_ratio_mean": "mean"}
 # "mean" accumulates batch-size-weighted sums, divided by the total weight in summary().
 _COMBINE = {"mean": torch.add, "min": torch.minimum, "max": torch.maximum}
 

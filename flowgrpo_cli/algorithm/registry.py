@@ -5,6 +5,8 @@ what rollout must store for it and which weights sample, and brings its own loss
 (algorithm.loss for flow_grpo, algorithm.nft, algorithm.awm).
 
 - flow_grpo: the SDE trajectory with per-step log-probs; the clipped ratio of those.
+- grpo_guard: flow_grpo with GRPO-Guard's normalised ratio and per-step weights; it keeps the
+  weights the iteration started from (an anchor that never lags) for the old step means.
 - nft (DiffusionNFT, Zheng et al. 2025) and awm (Advantage Weighted Matching, Xue et al. 2025)
   are forward-process methods: they re-noise the final clean latent and train a flow-matching
   loss, so rollout keeps that latent alone, and any sampler (ODE included) will do. Both keep
@@ -30,6 +32,9 @@ class AlgorithmSpec:
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None, ""),
+    # The anchor with decay 0 is the weights each iteration starts from, which sampled: the
+    # old means RatioNorm needs are recomputed with it rather than stored by rollout.
+    "grpo_guard": AlgorithmSpec("grpo_guard", True, False, (0.0, 0.0, 0.0), ""),
     # DiffusionNFT's default decay (its `decay_type` 1); its OCR recipe uses [75, 0.0075, 0.999].
     "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5), "int(0.99 T)"),
     # AWM's `kl_ema_decay_type = "linear"` with kl_ema_decay 0.3.

@@ -208,10 +208,11 @@ def _anchor_decay(v: list[float]) -> str | None:
 
 @dataclass
 class AlgorithmSection:
-    name: Literal["flow_grpo", "nft", "awm"] = _option(
+    name: Literal["flow_grpo", "grpo_guard", "nft", "awm"] = _option(
         "flow_grpo",
-        "flow_grpo (SDE log-probs, clipped ratio), nft (DiffusionNFT) or awm (Advantage "
-        "Weighted Matching); the last two train on the clean latent alone, CFG-free.",
+        "flow_grpo (SDE log-probs, clipped ratio), grpo_guard (its ratio normalised per "
+        "step), nft (DiffusionNFT) or awm (Advantage Weighted Matching); the last two train "
+        "on the clean latent alone, CFG-free.",
     )
     group_size: int = _option(24, "Images per prompt (the GRPO group).", check=_at_least(2))
     prompts_per_iteration: int = _option(48, "Prompts (groups) per iteration.", check=_at_least(1))
