@@ -14,7 +14,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields, replace
 
 from flowgrpo_cli.algorithm.registry import spec
-from flowgrpo_cli.algorithm.schedule import StepSchedule, build_step_schedule
+from flowgrpo_cli.algorithm.schedule import (
+    StepSchedule,
+    build_step_schedule,
+    progressive_window_start,
+)
 from flowgrpo_cli.algorithm.sde import check_noise_level
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
@@ -57,12 +61,25 @@ def select_prompts(num_prompts: int, per_iteration: int, seed: int, iteration: i
 
 def iteration_schedule(config: Config, iteration: int) -> StepSchedule:
     sampler = config.sampler
+    window_range = tuple(sampler.window_range) if sampler.window_range else None
+    if spec(config.algorithm.name).progressive_window:
+        if not sampler.window_size:
+            raise FlowGrpoError(
+                'algorithm.name = "mixgrpo" slides an SDE window: set sampler.window_size '
+                "(its paper: 4 of 25 steps)"
+            )
+        lowest, highest = window_range or (0, sampler.num_steps - sampler.window_size - 1)
+        start = progressive_window_start(
+            iteration, lowest=lowest, highest=max(lowest, highest),
+            shift_every=sampler.window_shift_every, stride=sampler.window_stride,
+        )  # fmt: skip
+        window_range = (start, start)
     return build_step_schedule(
         sampler.num_steps,
         train_fraction=sampler.train_fraction,
         train_last_step=sampler.train_last_step,
         window_size=sampler.window_size or None,
-        window_range=tuple(sampler.window_range) if sampler.window_range else None,
+        window_range=window_range,
         rng=random.Random(derive_seed(config.run.seed, iteration, "window")),
     )
 
@@ -164,6 +181,7 @@ def run(
         seconds = time.perf_counter() - started
         return {
             "rollout/seconds": seconds,
+            "rollout/window_start": float(settings.schedule.first_stochastic),
             "rollout/images": float(produced),
             "rollout/images_per_s": produced / seconds if produced and seconds > 0 else 0.0,
         }

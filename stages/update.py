@@ -72,8 +72,8 @@ from flowgrpo_cli.training.trainer import Trainer
 
 ADVANTAGES = "advantages.arrow"
 # Each algorithm's loss output fields and how update/... metrics fold them.
-FOLDS = {"flow_grpo": FLOW_GRPO_FOLDS, "grpo_guard": GRPO_GUARD_FOLDS, "nft": NFT_FOLDS,
-         "awm": AWM_FOLDS}  # fmt: skip
+FOLDS = {"flow_grpo": FLOW_GRPO_FOLDS, "grpo_guard": GRPO_GUARD_FOLDS,
+         "mixgrpo": FLOW_GRPO_FOLDS, "nft": NFT_FOLDS, "awm": AWM_FOLDS}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""GRPO-Guard's RatioNorm and step reweighting (Wang et al. 2025, "GRPO-Guard: Mitigating
+"""GRPO-Guard's RatioNorm and step reweighting ("GRPO-Guard: Mitigating
 Implicit Over-Optimization in Flow Matching via Regulated Clipping"), as its authors' code
 (flow_grpo PR #175, scripts/train_sd3_GRPO_Guard.py) computes them, with the bias taken per
 sample as the first author corrected it (flow_grpo issue #244; Flow-Factory and verl-omni do

@@ -7,6 +7,8 @@ what rollout must store for it and which weights sample, and brings its own loss
 - flow_grpo: the SDE trajectory with per-step log-probs; the clipped ratio of those.
 - grpo_guard: flow_grpo with GRPO-Guard's normalised ratio and per-step weights; it keeps the
   weights the iteration started from (an anchor that never lags) for the old step means.
+- mixgrpo: flow_grpo's loss on an SDE window that slides along the steps as training goes
+  (ODE steps outside it): MixGRPO's progressive window (algorithm.schedule).
 - nft (DiffusionNFT, Zheng et al. 2025) and awm (Advantage Weighted Matching, Xue et al. 2025)
   are forward-process methods: they re-noise the final clean latent and train a flow-matching
   loss, so rollout keeps that latent alone, and any sampler (ODE included) will do. Both keep
@@ -27,18 +29,19 @@ class AlgorithmSpec:
     samples_with_anchor: bool  # rollout samples with the anchor, not the trained weights
     # [start, slope, max] of the anchor's decay (see anchor_decay); None: no anchor
     default_anchor_decay: tuple[float, float, float] | None
-    default_train_timesteps: str  # what algorithm.train_timesteps = 0 means, for messages
+    progressive_window: bool = False  # the SDE window moves with training (mixgrpo)
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None, ""),
+    "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None),
     # The anchor with decay 0 is the weights each iteration starts from, which sampled: the
     # old means RatioNorm needs are recomputed with it rather than stored by rollout.
-    "grpo_guard": AlgorithmSpec("grpo_guard", True, False, (0.0, 0.0, 0.0), ""),
+    "grpo_guard": AlgorithmSpec("grpo_guard", True, False, (0.0, 0.0, 0.0)),
+    "mixgrpo": AlgorithmSpec("mixgrpo", True, False, None, progressive_window=True),
     # DiffusionNFT's default decay (its `decay_type` 1); its OCR recipe uses [75, 0.0075, 0.999].
-    "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5), "int(0.99 T)"),
+    "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5)),
     # AWM's `kl_ema_decay_type = "linear"` with kl_ema_decay 0.3.
-    "awm": AlgorithmSpec("awm", False, False, (0.0, 0.001, 0.3), "6"),
+    "awm": AlgorithmSpec("awm", False, False, (0.0, 0.001, 0.3)),
 }
 
 

@@ -165,3 +165,12 @@ def _window_starts(window_range: Sequence[int] | None) -> range:
             "the window's first step, both inclusive"
         )
     return range(int(window_range[0]), int(window_range[1]) + 1)
+
+
+def progressive_window_start(
+    iteration: int, *, lowest: int, highest: int, shift_every: int, stride: int
+) -> int:
+    """MixGRPO's sliding window: its first step starts at `lowest`, moves `stride` steps every
+    `shift_every` iterations, and stays at `highest` once there (its code's default, no roll
+    back): min(lowest + (iteration // shift_every) stride, highest)."""
+    return min(lowest + (iteration // shift_every) * stride, highest)

@@ -152,8 +152,15 @@ class SamplerSection:
     )
     window_range: list[int] = _option(
         [],
-        "[lo, hi]: the window's first step, drawn per iteration; [] = start at step 0.",
+        "[lo, hi]: the window's first step, drawn per iteration (mixgrpo: where it starts and "
+        "stops moving); [] = step 0 (mixgrpo: [0, num_steps - window_size - 1]).",
         check=_window_range,
+    )
+    window_shift_every: int = _option(
+        25, "mixgrpo: iterations the window stays before it moves.", check=_at_least(1)
+    )
+    window_stride: int = _option(
+        1, "mixgrpo: steps the window moves each time.", check=_at_least(0)
     )
     engine: Literal["diffusers", "vllm-omni"] = _option("diffusers", "Rollout engine.")
     merge_lora: bool = _option(
@@ -208,11 +215,11 @@ def _anchor_decay(v: list[float]) -> str | None:
 
 @dataclass
 class AlgorithmSection:
-    name: Literal["flow_grpo", "grpo_guard", "nft", "awm"] = _option(
+    name: Literal["flow_grpo", "grpo_guard", "mixgrpo", "nft", "awm"] = _option(
         "flow_grpo",
         "flow_grpo (SDE log-probs, clipped ratio), grpo_guard (its ratio normalised per "
-        "step), nft (DiffusionNFT) or awm (Advantage Weighted Matching); the last two train "
-        "on the clean latent alone, CFG-free.",
+        "step), mixgrpo (its SDE window sliding with training), nft (DiffusionNFT) or awm "
+        "(Advantage Weighted Matching); the last two train on the clean latent alone, CFG-free.",
     )
     group_size: int = _option(24, "Images per prompt (the GRPO group).", check=_at_least(2))
     prompts_per_iteration: int = _option(48, "Prompts (groups) per iteration.", check=_at_least(1))
