@@ -108,7 +108,10 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
 
     data = config.data
     if not data.train:
-        raise FlowGrpoError("no training prompts: set data.train in the config or pass --train")
+        raise FlowGrpoError(
+            "no training prompts: set data.train in the config (or --set data.train=FILE), "
+            "or run `flowgrpo prepare --train FILE` first"
+        )
     train_path = Path(data.train)
     test_path = Path(data.test) if data.test else None
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}

@@ -165,6 +165,7 @@ def test_run_refuses_a_changed_config_with_a_diff(tmp_path):
     first = resolve_run(None, ["sampler.noise_level=0.5"], run_dir)
     assert not first.run.config_path.exists()  # written only by a command holding the lock
     first.store_config()
+    (run_dir / "data").mkdir()  # something was computed with it
     with pytest.raises(FlowGrpoError) as info:
         resolve_run(None, ["sampler.noise_level=0.9"], run_dir)
     assert "sampler.noise_level: 0.5 -> 0.9" in str(info.value)
@@ -173,6 +174,24 @@ def test_run_refuses_a_changed_config_with_a_diff(tmp_path):
     assert resolve_run(None, ["distributed.nproc=2"], run_dir).config.distributed.nproc == 2
     resolve_run(None, ["sampler.noise_level=0.9"], run_dir, allow_change=True).store_config()
     assert resolve_run(None, [], run_dir).config.sampler.noise_level == 0.9
+
+
+def test_a_run_with_nothing_computed_takes_a_new_config(tmp_path):
+    """A first command that failed (loop without prompts) must not block the right one."""
+    from typer.testing import CliRunner
+
+    from flowgrpo_cli.cli import app
+
+    run_dir, prompts = tmp_path / "run", tmp_path / "p.txt"
+    prompts.write_text('A sign "OPEN"\nA mug "Best"\n')
+    runner = CliRunner()
+    failed = runner.invoke(app, ["loop", "-n", "2", "--run", str(run_dir)])
+    assert failed.exit_code == 1 and "flowgrpo prepare --train FILE" in failed.output
+    assert (run_dir / "config.toml").is_file()  # stored under the lock before the failure
+    result = runner.invoke(app, ["prepare", "--run", str(run_dir), "--train", str(prompts),
+                                 "--test", str(prompts)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert resolve_run(None, [], run_dir).config.data.train == str(prompts)
 
 
 def test_stored_config_is_used_when_none_is_given(tmp_path):

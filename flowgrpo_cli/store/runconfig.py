@@ -49,7 +49,9 @@ def resolve_run(
         if config_file is None:  # `--set` alone adjusts the stored config
             requested = load_config(run.config_path, overrides)
         changes = config_diff(stored, requested)
-        if changes and not allow_change:
+        # A run where nothing was computed yet (a first command that failed, say) takes the
+        # new config: no output can be mixed with another config's.
+        if changes and not allow_change and run.holds_results():
             raise FlowGrpoError(
                 f"{run.config_path} holds a different config; changed keys:\n  "
                 + "\n  ".join(changes)

@@ -99,6 +99,12 @@ class RunDir:
             iteration += 1
         return iteration
 
+    def holds_results(self) -> bool:
+        """Whether anything was computed in this run yet: prepared data (even unfinished),
+        an iteration, a checkpoint or an evaluation. Its config.toml and run.lock do not count."""
+        folders = [self.data_dir, self.root / CHECKPOINT.folder, self.root / EVAL.folder]
+        return any(folder.exists() for folder in folders) or bool(self.iterations())
+
     def iterations(self) -> list[int]:
         """Iteration numbers that have a folder, in order."""
         found = []
