@@ -25,16 +25,8 @@ import pyarrow as pa
 import torch
 
 from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
-from flowgrpo_cli.algorithm.awm import AWM_FOLDS
 from flowgrpo_cli.algorithm.grpo_guard import normalized_log_ratio, step_weight
-from flowgrpo_cli.algorithm.loss import (
-    FLOW_GRPO_FOLDS,
-    GRPO_GUARD_FOLDS,
-    LossMetrics,
-    kl_std,
-    policy_loss,
-)
-from flowgrpo_cli.algorithm.nft import NFT_FOLDS
+from flowgrpo_cli.algorithm.loss import LossMetrics, kl_std, policy_loss
 from flowgrpo_cli.algorithm.registry import spec
 from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, StepOutput
 from flowgrpo_cli.errors import FlowGrpoError
@@ -71,9 +63,6 @@ from flowgrpo_cli.training.policy import checkpoint_version
 from flowgrpo_cli.training.trainer import Trainer
 
 ADVANTAGES = "advantages.arrow"
-# Each algorithm's loss output fields and how update/... metrics fold them.
-FOLDS = {"flow_grpo": FLOW_GRPO_FOLDS, "grpo_guard": GRPO_GUARD_FOLDS,
-         "mixgrpo": FLOW_GRPO_FOLDS, "nft": NFT_FOLDS, "awm": AWM_FOLDS}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -321,7 +310,7 @@ def run(
         )
     barrier()
     policy.version = checkpoint_version(checkpoint_dir, policy.mode)
-    trainer.save_done(checkpoint_dir)
+    trainer.track_saved_anchor(checkpoint_dir)
     return result
 
 
@@ -346,14 +335,14 @@ def _train(
     progress.start(
         f"update iter {iteration}", total=sum(len(m) for *_, m in plan), unit="micro-batches"
     )
-    name = config.algorithm.name
-    policy_gradient = spec(name).needs_trajectory
+    algorithm = spec(config.algorithm.name)
+    policy_gradient = algorithm.needs_trajectory
     old_log_probs = (
         _recompute_old_logprobs(config, trainer, data, samples)
         if policy_gradient and config.algorithm.recompute_old_logprobs
         else None
     )
-    losses = LossMetrics(FOLDS[name])
+    losses = LossMetrics(algorithm.folds)
     step_metrics: list[dict[str, float]] = []
     gap: torch.Tensor | None = None
     trainer.policy.transformer.train()

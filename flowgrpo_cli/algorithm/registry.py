@@ -21,6 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flowgrpo_cli.algorithm.awm import AWM_FOLDS
+from flowgrpo_cli.algorithm.loss import FLOW_GRPO_FOLDS, GRPO_GUARD_FOLDS
+from flowgrpo_cli.algorithm.nft import NFT_FOLDS
+
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
@@ -29,19 +33,20 @@ class AlgorithmSpec:
     samples_with_anchor: bool  # rollout samples with the anchor, not the trained weights
     # [start, slope, max] of the anchor's decay (see anchor_decay); None: no anchor
     default_anchor_decay: tuple[float, float, float] | None
+    folds: dict[str, str]  # its loss output's fields -> how update/... metrics fold them
     progressive_window: bool = False  # the SDE window moves with training (mixgrpo)
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
-    "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None),
+    "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None, FLOW_GRPO_FOLDS),
     # The anchor with decay 0 is the weights each iteration starts from, which sampled: the
     # old means RatioNorm needs are recomputed with it rather than stored by rollout.
-    "grpo_guard": AlgorithmSpec("grpo_guard", True, False, (0.0, 0.0, 0.0)),
-    "mixgrpo": AlgorithmSpec("mixgrpo", True, False, None, progressive_window=True),
+    "grpo_guard": AlgorithmSpec("grpo_guard", True, False, (0.0, 0.0, 0.0), GRPO_GUARD_FOLDS),
+    "mixgrpo": AlgorithmSpec("mixgrpo", True, False, None, FLOW_GRPO_FOLDS, True),
     # DiffusionNFT's default decay (its `decay_type` 1); its OCR recipe uses [75, 0.0075, 0.999].
-    "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5)),
+    "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5), NFT_FOLDS),
     # AWM's `kl_ema_decay_type = "linear"` with kl_ema_decay 0.3.
-    "awm": AlgorithmSpec("awm", False, False, (0.0, 0.001, 0.3)),
+    "awm": AlgorithmSpec("awm", False, False, (0.0, 0.001, 0.3), AWM_FOLDS),
 }
 
 

@@ -163,17 +163,18 @@ class Trainer:
             return contextlib.nullcontext()
         return self._swapped_in(self.ema, f"{self.policy.version}+ema")
 
+    def _samples_with_anchor(self) -> bool:
+        return self.anchor is not None and spec(self.config.algorithm.name).samples_with_anchor
+
     def sampling_weights(self) -> contextlib.AbstractContextManager[None]:
         """The weights rollout samples with: the anchor for nft, else the policy's own."""
-        if self.anchor is None or not spec(self.config.algorithm.name).samples_with_anchor:
+        if not self._samples_with_anchor():
             return contextlib.nullcontext()
         return self._swapped_in(self.anchor, self.anchor_version)
 
     def sampling_version(self) -> str:
         """The version of the weights rollout samples with (see sampling_weights)."""
-        if self.anchor is None or not spec(self.config.algorithm.name).samples_with_anchor:
-            return self.policy.version
-        return self.anchor_version
+        return self.anchor_version if self._samples_with_anchor() else self.policy.version
 
     def anchor_weights(self) -> contextlib.AbstractContextManager[None]:
         """The anchor's velocity (nft's v_old, awm's KL target); no gradient flows to it."""
@@ -227,10 +228,9 @@ class Trainer:
             transformer, options=replace(options, ignore_frozen_params=True)
         )
         optimizer_state = get_optimizer_state_dict(transformer, self.optimizer, options=options)
-        shadows = {EMA_FOLDER: self.ema, ANCHOR_FOLDER: self.anchor}
         shadows = {
             folder_name: {n: _full(t).cpu() for n, t in shadow.items()}
-            for folder_name, shadow in shadows.items()
+            for folder_name, shadow in ((EMA_FOLDER, self.ema), (ANCHOR_FOLDER, self.anchor))
             if shadow is not None
         }
         if not dist_info().is_main:
@@ -280,10 +280,10 @@ class Trainer:
         if self.ema is not None:
             self._load_shadow(self.ema, folder / EMA_FOLDER)
         if self.anchor is not None and self._load_shadow(self.anchor, folder / ANCHOR_FOLDER):
-            self.anchor_version = checkpoint_version(folder, self.policy.mode, ANCHOR_FOLDER)
+            self.track_saved_anchor(folder)
 
-    def save_done(self, folder: Path) -> None:
-        """After `folder` is written: the anchor's version is now its file's."""
+    def track_saved_anchor(self, folder: Path) -> None:
+        """The anchor is the one saved in checkpoint `folder`: its version is that file's."""
         if self.anchor is not None:
             self.anchor_version = checkpoint_version(folder, self.policy.mode, ANCHOR_FOLDER)
 
