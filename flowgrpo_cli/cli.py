@@ -382,7 +382,13 @@ app.command("update")(_stage_command(_update))
 @user_errors
 def loop(
     iterations: Annotated[
-        int, typer.Option("--iterations", "-n", help="Train until this many iterations are done.")
+        int,
+        typer.Option(
+            "--iterations",
+            "-n",
+            help="Train until this many iterations are done; 0 only evaluates the base model "
+            "(with eval.every > 0).",
+        ),
     ],
     config: ConfigOpt = None,
     run: RunOpt = None,
@@ -394,8 +400,8 @@ def loop(
     """Rollout -> score -> update, iteration after iteration; a re-run resumes."""
     from flowgrpo_cli.store.runconfig import resolve_run
 
-    if iterations < 1:
-        raise FlowGrpoError(f"--iterations {iterations}: must be at least 1")
+    if iterations < 0:
+        raise FlowGrpoError(f"--iterations {iterations}: must be at least 0")
     resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
 
     def body() -> None:

@@ -46,6 +46,21 @@ def test_two_iterations_end_to_end(make_run):
     assert (run.root / "report" / "rewards.png").is_file()
 
 
+def test_zero_iterations_evaluates_the_base_and_trains_nothing(make_run):
+    from typer.testing import CliRunner
+
+    from flowgrpo_cli.cli import app
+
+    _, run = make_run("eval.every=5", "eval.num_steps=2", "eval.num_prompts=2")
+    result = CliRunner().invoke(app, ["loop", "--run", str(run.root), "-n", "0"])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((run.eval_dir(0) / "metrics.json").read_text())
+    assert metrics["eval/images"] == 2
+    assert not run.stage_dir(0, ROLLOUT).exists() and run.current_iteration() == 0
+    result = CliRunner().invoke(app, ["loop", "--run", str(run.root), "-n", "-1"])
+    assert result.exit_code == 1 and "--iterations -1: must be at least 0" in result.output
+
+
 def test_report_without_metrics_is_a_clear_error(tmp_path):
     from typer.testing import CliRunner
 
