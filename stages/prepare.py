@@ -126,6 +126,8 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
         skipped += skipped_test
     else:
         train, test = _split(train, data.test_fraction, config.run.seed)
+    if data.train_prompts:
+        train = train[: data.train_prompts]
 
     test_prompts = {row.prompt for row in test}
     overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})

@@ -62,6 +62,20 @@ def test_txt_train_and_test_files(tmp_path):
     assert manifest["counts"] == {"train": 3, "test": 1}
 
 
+def test_train_prompts_keeps_the_first_n_after_the_split(tmp_path):
+    train = tmp_path / "train.txt"
+    train.write_text("".join(f'Sign "{i:03d}"\n' for i in range(20)))
+    result = prepare(tmp_path, "--train", train, "--set", "data.train_prompts=3")
+    assert result.exit_code == 0, result.output
+    kept = list(table(tmp_path, "train").ground_truth)
+    held_out = list(table(tmp_path, "test").ground_truth)
+    assert len(kept) == 3 and len(held_out) == 2  # test_fraction 0.1 of all 20, as without
+    assert not set(kept) & set(held_out)
+    result = prepare(tmp_path / "all", "--train", train)
+    assert list(table(tmp_path / "all", "train").ground_truth)[:3] == kept
+    assert list(table(tmp_path / "all", "test").ground_truth) == held_out
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
 def test_table_formats_with_optional_columns(tmp_path, suffix):
     rows = [

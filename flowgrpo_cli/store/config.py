@@ -102,6 +102,12 @@ class DataSection:
         "Share of train prompts held out when `test` is empty.",
         check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
     )
+    train_prompts: int = _option(
+        0,
+        "Train on only the first N training prompts (after the test split); 0 = all. "
+        "A handful is the overfit check: their reward must climb within minutes.",
+        check=_at_least(0),
+    )
     skip_invalid: bool = _option(
         False,
         "Skip invalid prompt rows (no target, empty, not a string, not UTF-8, ...) and report "
