@@ -65,6 +65,22 @@ toy-ocr-pretrain: setup
     {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-continue --init-from examples/toy_ocr/base --max-steps 2000 --minutes 1000 --threads 2
     {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-continue/checkpoints/step-02000 examples/toy_ocr/base
 
+# RL algorithms and continued pre-training of the toy OCR base, each for the same training
+# time, as held-out OCR accuracy against training minutes; options pass through.
+# The learning benchmark (README, "Does it learn?"): `just learn --minutes 10 --arms awm,pretrain`.
+learn *ARGS: setup
+    {{python}} examples/toy_ocr/learn.py {{ARGS}}
+
+# AWM on 4 training prompts of the toy OCR base, 16 images each: their rollout reward (printed
+# per iteration) must climb toward 1 within minutes. On your own run: the same --set options
+# on its config (README, "When a run is flat").
+# The overfit check, the first thing to try when a run is flat.
+overfit iterations="30": setup
+    {{venv}}/bin/flowgrpo loop --config examples/toy_ocr/rl_awm.toml \
+        --run runs/toy-ocr-overfit --iterations {{iterations}} \
+        --set data.train_prompts=4 --set algorithm.prompts_per_iteration=4 \
+        --set algorithm.group_size=16 --set eval.every=0
+
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
 bench *ARGS: setup

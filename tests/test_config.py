@@ -201,7 +201,7 @@ def test_stored_config_is_used_when_none_is_given(tmp_path):
     assert isinstance(resolve_run(None, [], run_dir).config, Config)
 
 
-@pytest.mark.parametrize("path", sorted(Path(__file__).parents[1].glob("examples/*.toml")))
+@pytest.mark.parametrize("path", sorted(Path(__file__).parents[1].glob("examples/**/*.toml")))
 def test_example_configs_validate(path):
     config = load_config(path)
     assert config.model.path

@@ -53,16 +53,42 @@ def test_prompt_files_are_current_and_disjoint(tmp_path, monkeypatch):
     assert not test_targets & set(prompts.draw_targets()[1])
     assert train_targets <= set(prompts.draw_targets()[1])
     assert all(set(t) <= set(prompts.ALPHABET) and len(t) in (3, 4) for t in test_targets)
+    # Validation and RL-only targets: never pre-trained on, apart from each other and the test.
+    seen = set(prompts.draw_targets()[1]) | test_targets
+    val = {row.ground_truth for row in read_prompt_file(TOY / "prompts" / "val.txt").rows}
+    rl = {row.ground_truth for row in read_prompt_file(TOY / "prompts" / "rl.txt").rows}
+    assert (len(val), len(rl)) == (prompts.N_VAL, prompts.N_RL)
+    assert not (val & seen or rl & seen or val & rl)
 
 
-def test_rl_config_validates_and_points_at_the_example():
-    config = load_config(TOY / "rl.toml")
+@pytest.mark.parametrize("name", ["rl", "rl_awm", "rl_nft", "rl_grpo_guard", "rl_mixgrpo"])
+def test_rl_config_validates_and_points_at_the_example(name):
+    config = load_config(TOY / f"{name}.toml")
+    assert config.algorithm.name == (name[3:] or "flow_grpo")
+    assert (config.eval.num_steps, config.eval.guidance_scale) == (20, 4.0)  # one evaluation
     assert (config.model.height, config.model.width) == (32, 96)
     assert config.model.max_sequence_length == 32
     assert config.reward.weights == {"ocr": 1.0}
     for path in (config.model.path, config.data.train, config.data.test):
         assert (ROOT / path).exists(), path
     assert (ROOT / config.model.path / "model_index.json").is_file()
+
+
+def test_learning_curve_counts_training_time_before_each_evaluation(tmp_path, monkeypatch):
+    learn = _import("learn", monkeypatch)
+    stages = {"rollout/seconds": 30.0, "score/seconds": 6.0, "update/seconds": 24.0}  # 1 min
+    lines = [
+        {"iteration": 0, **stages, "eval/ocr_mean": 0.3, "eval/ocr_exact": 0.01},
+        {"iteration": 1, **stages, "update/seconds": 84.0},  # 2 min: eval time is not in it
+        {"iteration": 2, "eval/ocr_mean": 0.4, "eval/ocr_exact": 0.05},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    curve = learn.rl_curve(tmp_path)
+    assert curve == [learn.Point(0.0, 0.3, 0.01, 0), learn.Point(3.0, 0.4, 0.05, 2)]
+    assert learn.accuracy_by(curve, 2.9) == curve[0] and learn.accuracy_by(curve, 3) == curve[1]
+    learn.write_table({"awm": curve}, [1, 3], tmp_path / "learn.md")
+    row = (tmp_path / "learn.md").read_text().splitlines()[2]
+    assert row == "| awm | 0.300 | 0.400 | 0.400 (5%) at 3.0 min |"
 
 
 @pytest.fixture(scope="module")

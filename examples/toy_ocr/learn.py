@@ -1,0 +1,240 @@
+"""The learning benchmark: RL algorithms on the toy OCR base for the same training time, beside
+continued pre-training of the same base, as held-out OCR accuracy against training minutes.
+
+Each RL arm is `flowgrpo loop` with its config in examples/toy_ocr/ (rl.toml for flow_grpo,
+rl_<arm>.toml for the others), run in
+chunks of its `eval.every` iterations until its training time passes --minutes; the loop itself
+evaluates the policy between chunks (ODE, fixed noise, the run's eval settings). The baseline arm
+`pretrain` continues pre-training the base with pretrain.py (--init-from: the base folder, a
+fresh optimizer) and saves a checkpoint every --pretrain-every steps; each checkpoint is scored
+by the same flowgrpo evaluation as the RL arms (`flowgrpo loop -n 0` with the checkpoint as the
+model), so every curve has one evaluator, one noise and one set of prompts.
+
+Minutes are training time: an RL iteration's rollout, score and update (its metrics), and
+pre-training's steps (pretrain.py's own count); evaluation, model loading and pre-training's
+latent encoding are left out of both. Arms run --parallel at a time, --threads torch threads
+each; with the defaults (2 arms, 1 thread) a 2-core machine gives every arm one core.
+
+--split val scores on prompts/val.txt (targets never seen in pre-training, kept apart from the
+held-out ones) and is what settings were chosen on; --split test is the held-out result.
+
+Writes OUT/<arm>/curve.jsonl per arm, OUT/learn.png (every arm on one chart) and OUT/learn.md
+(a table of the accuracy each arm reached by each mark).
+
+Run:
+    python examples/toy_ocr/learn.py --minutes 60 --out runs/learn
+    python examples/toy_ocr/learn.py --minutes 10 --arms nft,pretrain --split val
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BASE = HERE / "base"
+SPLITS = {"val": HERE / "prompts" / "val.txt", "test": HERE / "prompts" / "test.txt"}
+RL_ARMS = ("nft", "awm", "flow_grpo", "grpo_guard", "mixgrpo")
+ARMS = (*RL_ARMS, "pretrain")
+STAGE_SECONDS = ("rollout/seconds", "score/seconds", "update/seconds")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One evaluation of an arm."""
+
+    minutes: float  # training time before it
+    accuracy: float  # mean OCR reward: 1 - normalised edit distance
+    exact: float  # the share of images read exactly
+    step: int  # RL iteration or pre-training step
+
+
+def rl_config(arm: str) -> Path:
+    return HERE / ("rl.toml" if arm == "flow_grpo" else f"rl_{arm}.toml")
+
+
+def flowgrpo() -> str:
+    """The flowgrpo next to this interpreter (the venv's), else the one on PATH."""
+    beside = Path(sys.executable).with_name("flowgrpo")
+    return str(beside) if beside.exists() else "flowgrpo"
+
+
+def rl_curve(run: Path) -> list[Point]:
+    """The evaluations in RUN/metrics.jsonl, each at the training minutes before it."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    seconds_before: dict[int, float] = {0: 0.0}
+    total = 0.0
+    for line in sorted(lines, key=lambda line: line["iteration"]):
+        total += sum(line.get(key, 0.0) for key in STAGE_SECONDS)
+        seconds_before[line["iteration"] + 1] = total
+    return [
+        Point(
+            seconds_before[line["iteration"]] / 60,
+            line["eval/ocr_mean"],
+            line["eval/ocr_exact"],
+            line["iteration"],
+        )
+        for line in lines
+        if "eval/ocr_mean" in line
+    ]
+
+
+def run_rl(arm: str, out: Path, minutes: float, split: Path, threads: int) -> list[Point]:
+    config = rl_config(arm)
+    every = tomllib.loads(config.read_text())["eval"]["every"]
+    run, log = out / arm, out / f"{arm}.log"
+    sets = ["--set", f"data.test={split}", "--set", "eval.num_prompts=0"]
+    iterations = 0
+    while True:
+        loop = ["loop", "--config", str(config), "--run", str(run), "-n", str(iterations)]
+        _call([flowgrpo(), *loop, *sets], threads, log)
+        curve = rl_curve(run)
+        if curve[-1].minutes >= minutes:
+            return curve
+        iterations += every
+
+
+def run_pretrain(
+    out: Path, minutes: float, split: Path, threads: int, every: int, base: Path
+) -> list[Point]:
+    run, log = out / "pretrain", out / "pretrain.log"
+    resume = ["--resume"] if (run / "state.pt").exists() else []
+    options = ["--minutes", str(minutes), "--eval-every", str(every), "--threads", str(threads)]
+    # Its own evaluation of 10 prompts only: the curve is flowgrpo's evaluation, below.
+    options += ["--eval-prompts", "10", *resume]
+    pretrain = [sys.executable, str(HERE / "pretrain.py"), "--out", str(run)]
+    _call([*pretrain, "--init-from", str(base), *options], threads, log)
+    scored = out / "pretrain-eval"
+    points = [Point(0.0, *_flowgrpo_eval(base, scored / "step-00000", split, threads, log), 0)]
+    for line in (run / "eval.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        name = f"step-{record['step']:05d}"
+        checkpoint = run / "checkpoints" / name
+        accuracy = _flowgrpo_eval(checkpoint, scored / name, split, threads, log)
+        points.append(Point(record["train_minutes"], *accuracy, record["step"]))
+    return points
+
+
+def _flowgrpo_eval(
+    model: Path, run: Path, split: Path, threads: int, log: Path
+) -> tuple[float, float]:
+    """(accuracy, exact) of a pipeline folder under the RL arms' evaluation (rl.toml's eval
+    settings and seed): `flowgrpo loop -n 0` evaluates the model it starts from."""
+    loop = ["loop", "--config", str(rl_config("flow_grpo")), "--run", str(run), "-n", "0"]
+    sets = [f"model.path={model}", f"data.test={split}", "eval.num_prompts=0"]
+    _call([flowgrpo(), *loop, *(arg for key in sets for arg in ("--set", key))], threads, log)
+    metrics = json.loads((run / "eval" / "iter-000000" / "metrics.json").read_text())
+    return metrics["eval/ocr_mean"], metrics["eval/ocr_exact"]
+
+
+def _call(argv: list[str], threads: int, log: Path) -> None:
+    """Run a command with `threads` torch threads, its output appended to `log`."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    with log.open("a") as out:
+        if subprocess.run(argv, env=env, stdout=out, stderr=subprocess.STDOUT).returncode:
+            raise SystemExit(f"failed: {' '.join(argv)} (its output: {log})")
+
+
+def run_arm(arm: str, options: argparse.Namespace) -> list[Point]:
+    split = SPLITS[options.split]
+    if arm == "pretrain":
+        curve = run_pretrain(
+            options.out, options.minutes, split, options.threads, options.pretrain_every, BASE
+        )
+    else:
+        curve = run_rl(arm, options.out, options.minutes, split, options.threads)
+    with (options.out / arm / "curve.jsonl").open("w") as f:
+        f.writelines(json.dumps(asdict(point)) + "\n" for point in curve)
+    print(f"{arm}: " + ", ".join(f"{p.minutes:.1f} min {p.accuracy:.3f}" for p in curve))
+    return curve
+
+
+def accuracy_by(curve: list[Point], minutes: float) -> Point:
+    """The last evaluation at or before `minutes` of training."""
+    return [point for point in curve if point.minutes <= minutes + 1e-9][-1]
+
+
+def write_table(curves: dict[str, list[Point]], marks: Sequence[float], path: Path) -> None:
+    header = "| arm | " + " | ".join(f"{m:g} min" for m in marks) + " | best (exact) |"
+    lines = [header, "|---" * (len(marks) + 2) + "|"]
+    for arm, curve in curves.items():
+        cells = [f"{accuracy_by(curve, m).accuracy:.3f}" for m in marks]
+        best = max(curve, key=lambda p: p.accuracy)
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(cells)
+            + f" | {best.accuracy:.3f} ({best.exact:.0%}) at {best.minutes:.1f} min |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(curves: dict[str, list[Point]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for arm, curve in curves.items():
+        style = {"color": "black", "linestyle": "--"} if arm == "pretrain" else {}
+        label = "continued pre-training" if arm == "pretrain" else arm
+        minutes = [p.minutes for p in curve]
+        left.plot(minutes, [p.accuracy for p in curve], marker="o", ms=3, label=label, **style)
+        right.plot(minutes, [p.exact for p in curve], marker="o", ms=3, label=label, **style)
+    left.set_ylabel("held-out OCR accuracy")
+    right.set_ylabel("exact-match rate")
+    for ax in (left, right):
+        ax.set_xlabel("training minutes (one core per arm)")
+        ax.grid(alpha=0.3)
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=60.0, help="Training time per arm.")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"Comma list of {ARMS}.")
+    parser.add_argument(
+        "--split",
+        choices=sorted(SPLITS),
+        default="test",
+        help="Prompts scored: val (choosing settings) or test (the result).",
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/learn"), help="Folder of runs.")
+    parser.add_argument("--parallel", type=int, default=2, help="Arms run at a time.")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per arm.")
+    parser.add_argument(
+        "--pretrain-every", type=int, default=100, help="Pre-training steps between checkpoints."
+    )
+    parser.add_argument("--fresh", action="store_true", help="Delete OUT's runs first.")
+    options = parser.parse_args(argv)
+    arms = [arm.strip() for arm in options.arms.split(",") if arm.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        parser.error(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if options.fresh:
+        shutil.rmtree(options.out, ignore_errors=True)
+    options.out.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(options.parallel) as pool:
+        curves = dict(zip(arms, pool.map(lambda arm: run_arm(arm, options), arms), strict=True))
+    marks = [m for m in (5, 10, 15, 20, 30, 45, 60) if m < options.minutes] + [options.minutes]
+    write_table(curves, marks, options.out / "learn.md")
+    title = f"toy OCR, {options.split} prompts: accuracy against training time"
+    plot(curves, options.out / "learn.png", title)
+    print(f"wrote {options.out / 'learn.md'} and {options.out / 'learn.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
