@@ -403,6 +403,11 @@ def loop(
     if iterations < 0:
         raise FlowGrpoError(f"--iterations {iterations}: must be at least 0")
     resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+    if iterations == 0 and resolved.config.eval.every <= 0:
+        raise FlowGrpoError(
+            "--iterations 0 evaluates the base model only, and evaluation is off "
+            "(eval.every = 0): set eval.every, e.g. --set eval.every=1"
+        )
 
     def body() -> None:
         from flowgrpo_cli.loop import run_loop

@@ -59,6 +59,10 @@ def test_zero_iterations_evaluates_the_base_and_trains_nothing(make_run):
     assert not run.stage_dir(0, ROLLOUT).exists() and run.current_iteration() == 0
     result = CliRunner().invoke(app, ["loop", "--run", str(run.root), "-n", "-1"])
     assert result.exit_code == 1 and "--iterations -1: must be at least 0" in result.output
+    # with evaluation off, -n 0 would do nothing at all: an error, not a silent success
+    _, quiet = make_run("eval.every=0", name="no-eval")
+    result = CliRunner().invoke(app, ["loop", "--run", str(quiet.root), "-n", "0"])
+    assert result.exit_code == 1 and "eval.every" in result.output, result.output
 
 
 def test_report_without_metrics_is_a_clear_error(tmp_path):
