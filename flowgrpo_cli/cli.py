@@ -134,7 +134,6 @@ def prepare(
     """Prompt files (txt / jsonl / csv / parquet) -> RUN/data/{train,test}.parquet."""
     from flowgrpo_cli.stages import prepare as stage
     from flowgrpo_cli.store.runconfig import resolve_run
-    from flowgrpo_cli.store.rundir import RunLock
 
     options = {
         "data.train": train,
@@ -146,8 +145,7 @@ def prepare(
     }
     overrides = [*(set_ or []), *_as_overrides(options)]
     resolved = resolve_run(config, overrides, run, allow_change=allow_config_change)
-    with RunLock(resolved.run.root):
-        resolved.store_config()
+    with resolved.writing():
         manifest = stage.run(resolved.config, resolved.run)
     render_prepare_summary(console, resolved.run, manifest)
 
@@ -191,7 +189,6 @@ def _run_ranks(
 
     from flowgrpo_cli.launch.distributed import is_rank_process, launch_local
     from flowgrpo_cli.launch.ray_cluster import ray_address_for
-    from flowgrpo_cli.store.rundir import RunLock
 
     section = resolved.config.distributed
     ranks = nproc or section.nproc
@@ -199,8 +196,7 @@ def _run_ranks(
         body()
         return
     address = ray_address_for(resolved.config, ray_address)
-    with RunLock(resolved.run.root):
-        resolved.store_config()  # only now: a command the lock refuses changes nothing
+    with resolved.writing():
         if address is not None:
             from flowgrpo_cli.launch.ray_cluster import launch_ray
 
@@ -345,10 +341,8 @@ def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | 
     if address is None or resolved.config.distributed.score_tasks <= 0 or is_rank_process():
         return False
     from flowgrpo_cli.reporting.progress import RichProgress
-    from flowgrpo_cli.store.rundir import RunLock
 
-    with RunLock(resolved.run.root):
-        resolved.store_config()
+    with resolved.writing():
         number = _iteration_of(resolved, iteration)
         result = score_on_pool(
             resolved.config, resolved.run, number, address=address, progress=RichProgress()

@@ -116,10 +116,7 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
     test_path = Path(data.test) if data.test else None
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
     identity = {"config": config_hash(config, STAGE_SECTIONS[PREPARE.name]), "inputs": inputs}
-    writer = StageWriter(run.data_dir, PREPARE.name, identity)
-    if not writer.begin():
-        return read_manifest(run.data_dir)
-
+    # Read and check the prompts before the data folder exists: bad input leaves no trace.
     train, skipped = _load(train_path, data.skip_invalid)
     if test_path is not None:
         test, skipped_test = _load(test_path, data.skip_invalid)
@@ -128,6 +125,9 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
         train, test = _split(train, data.test_fraction, config.run.seed)
     if data.train_prompts:
         train = train[: data.train_prompts]
+    writer = StageWriter(run.data_dir, PREPARE.name, identity)
+    if not writer.begin():
+        return read_manifest(run.data_dir)
 
     test_prompts = {row.prompt for row in test}
     overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})

@@ -187,7 +187,16 @@ def test_a_run_with_nothing_computed_takes_a_new_config(tmp_path):
     runner = CliRunner()
     failed = runner.invoke(app, ["loop", "-n", "2", "--run", str(run_dir)])
     assert failed.exit_code == 1 and "flowgrpo prepare --train FILE" in failed.output
-    assert (run_dir / "config.toml").is_file()  # stored under the lock before the failure
+    assert not run_dir.exists()  # a failed first command leaves no folder behind
+    failed = runner.invoke(app, ["rollout", "--run", str(run_dir)])
+    assert failed.exit_code == 1 and "model.path is not set" in failed.output
+    assert not run_dir.exists()
+    # in a folder that existed, only what the failed command wrote goes
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    failed = runner.invoke(app, ["prepare", "--run", str(run_dir), "--train", str(tmp_path)])
+    assert failed.exit_code == 1
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
     result = runner.invoke(app, ["prepare", "--run", str(run_dir), "--train", str(prompts),
                                  "--test", str(prompts)])  # fmt: skip
     assert result.exit_code == 0, result.output

@@ -196,7 +196,8 @@ def _read_parquet(path: Path) -> list[PromptRow | PromptProblem]:
 def read_prompt_file(path: Path) -> PromptFile:
     """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all."""
     if not path.is_file():
-        raise FlowGrpoError(f"prompt file {path} does not exist")
+        what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        raise FlowGrpoError(f"prompt file {path} {what}")
     readers = {
         ".txt": _read_txt,
         ".jsonl": _read_jsonl,

@@ -1,7 +1,8 @@
 """Resolve the config a command runs with, and keep it consistent across a run's commands.
 
 The first command on a run writes the resolved config to `RUN/config.toml`, once it holds the
-run's lock (`ResolvedRun.store_config`): a command the lock refuses changes nothing. Later
+run's lock (`ResolvedRun.writing`): a command the lock refuses changes nothing, and one that
+fails before computing anything takes its config (and the folder it created) away again. Later
 commands read it back; if the user passes a config (or `--set` overrides) that differs in
 anything that changes results, the command is refused with a diff, unless `allow_change` is
 set, in which case the new config replaces the stored one (stage manifests record the config
@@ -10,12 +11,15 @@ hash, so outputs of the old config are redone, not mixed).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.config import Config, config_diff, dumps_config, load_config
-from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes
+from flowgrpo_cli.store.rundir import RunDir, RunLock, atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,34 @@ class ResolvedRun:
         if self.config_text is not None:
             self.run.root.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(self.run.config_path, self.config_text)
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the run's lock and store its config around a command's work.
+
+        A command that fails before computing anything leaves the run as it found it: no
+        config.toml, lock file or folder that it created, so the next command starts clean.
+        """
+        root = self.run.root
+        had_folder, had_config = root.exists(), self.run.config_path.exists()
+        had_lock = self.run.lock_path.exists()
+        undo = False
+        with RunLock(root):
+            try:
+                self.store_config()
+                yield
+            except BaseException:
+                undo = not self.run.holds_results()
+                if undo:  # under the lock: no other command can be writing its config now
+                    if not had_config:
+                        self.run.config_path.unlink(missing_ok=True)
+                    if not had_lock:  # a command starting now locks a new file: harmless
+                        self.run.lock_path.unlink(missing_ok=True)
+                raise
+            finally:
+                if undo and not had_folder:
+                    with contextlib.suppress(OSError):  # not empty: another command's now
+                        root.rmdir()
 
 
 def resolve_run(
