@@ -27,14 +27,17 @@ setup:
         touch "$stamp"
     fi
 
+# Any flowgrpo command, in the venv `setup` made: `just flowgrpo loop -n 20 --run runs/tiny`.
+[positional-arguments]
+flowgrpo *ARGS: setup
+    "{{venv}}/bin/flowgrpo" "$@"
+
 # The main job on the built-in tiny model: a tiny SD3 pipeline, 10 iterations, a report.
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
     flowgrpo="{{venv}}/bin/flowgrpo"
     [ -f runs/models/tiny-sd3/model_index.json ] || "$flowgrpo" tiny-model --family sd3 runs/models/tiny-sd3
-    # The demo's reward is the example plugin examples/plugins/brightness.py.
-    export PYTHONPATH="$PWD/examples/plugins${PYTHONPATH:+:$PYTHONPATH}"
     "$flowgrpo" loop --config examples/tiny.toml --iterations 10
     "$flowgrpo" report runs/tiny
 

@@ -30,11 +30,31 @@ app = typer.Typer(
     name="flowgrpo",
     help="Flow-GRPO reinforcement learning for flow-matching text-to-image models.",
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_show_locals=False,
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from flowgrpo_cli import __version__
+
+        console.print(f"flowgrpo {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version."
+        ),
+    ] = False,
+) -> None:
+    """Flow-GRPO reinforcement learning for flow-matching text-to-image models."""
+
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -510,10 +530,15 @@ def show_config(
 
     if reference:
         for key, default, meaning in iter_reference():
-            console.print(f"[bold]{key}[/] = {default}\n    {meaning}", highlight=False)
+            console.print(
+                f"[bold]{key}[/] = {escape(default)}\n    {escape(meaning)}",
+                highlight=False,
+                soft_wrap=True,
+            )
         return
     resolved = resolve_run(config, set_ or [], run, write=False)
-    console.print(dumps_config(resolved.config), highlight=False, markup=False)
+    # soft_wrap: long lines stay whole, so `flowgrpo config > my.toml` is valid TOML
+    console.print(dumps_config(resolved.config), highlight=False, markup=False, soft_wrap=True)
 
 
 def _as_overrides(options: dict[str, Any]) -> list[str]:

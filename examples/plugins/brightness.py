@@ -1,7 +1,10 @@
 """An example reward plugin: the mean brightness of each image, from 0 (black) to 1 (white).
 
-Put this folder on PYTHONPATH (export PYTHONPATH=$PWD/examples/plugins) and name
-`brightness:score` in the config's weights table:
+Name this folder in the config's `reward.plugin_dirs` and `brightness:score` in its weights
+table (examples/tiny.toml does):
+
+    [reward]
+    plugin_dirs = ["examples/plugins"]
 
     [reward.weights]
     ocr = 1.0

@@ -13,6 +13,7 @@ from PIL import Image, UnidentifiedImageError
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import RewardBatch
+from flowgrpo_cli.rewards.imports import add_plugin_dirs
 from flowgrpo_cli.rewards.on_error import (
     ErrorPolicyOutcome,
     ErrorSummary,
@@ -43,6 +44,7 @@ def build_rewards_from_config(section: RewardSection) -> RewardSet:
         if remote.url
         else None
     )
+    add_plugin_dirs(section.plugin_dirs)
     return build_rewards(section.weights, ocr_workers=section.ocr_workers, remote=options)
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import sys
 from types import ModuleType
 
 from flowgrpo_cli.errors import FlowGrpoError
@@ -12,6 +14,18 @@ from flowgrpo_cli.rewards.base import describe_exception
 
 _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 _SPEC = re.compile(rf"(?P<module>{_DOTTED}):(?P<attribute>{_DOTTED})")
+
+
+def add_plugin_dirs(folders: list[str]) -> None:
+    """Search `folders` first for plugin modules, in this process and in the processes it
+    starts (OCR or plugin workers), as PYTHONPATH would."""
+    for folder in reversed(folders):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [*folders, *(p for p in inherited if p not in folders)]
+    )
 
 
 def import_object(spec: str, what: str) -> object:

@@ -36,9 +36,11 @@ def _option(
     help: str,
     *,
     check: Check | None = None,
-    path: bool = False,
+    path: Literal["", "local", "hub"] = "",
     affects_results: bool = True,
 ) -> Any:
+    """A config key: its default, the help the reference prints, a check of its value, and
+    whether it is a `local` path (stored absolute) or a `hub` one (a local folder or hub id)."""
     meta = {"help": help, "check": check, "path": path, "affects_results": affects_results}
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -76,7 +78,7 @@ class RunSection:
     dir: str = _option(
         "runs/default",
         "Run directory: config, data, iterations, checkpoints.",
-        path=True,
+        path="local",
         affects_results=False,
     )
     seed: int = _option(
@@ -92,10 +94,10 @@ class DataSection:
         "",
         "Training prompts (txt in the paper's OCR format, jsonl, csv or "
         "parquet with a `prompt` column).",
-        path=True,
+        path="local",
     )
     test: str = _option(
-        "", "Test prompts; empty = split `test_fraction` off the train file.", path=True
+        "", "Test prompts; empty = split `test_fraction` off the train file.", path="local"
     )
     test_fraction: float = _option(
         0.1,
@@ -119,7 +121,7 @@ class DataSection:
 
 @dataclass
 class ModelSection:
-    path: str = _option("", "Base pipeline: a local diffusers folder or a hub id.", path=True)
+    path: str = _option("", "Base pipeline: a local diffusers folder or a hub id.", path="hub")
     dtype: Literal["float32", "bfloat16", "float16"] = _option(
         "bfloat16", "Transformer precision, the same in rollout and update; step math is float32."
     )
@@ -207,6 +209,13 @@ class RewardSection:
     )
     on_error: Literal["drop_sample", "drop_group", "stop"] = _option(
         "drop_sample", "What a reward failure on one image does."
+    )
+    plugin_dirs: list[str] = _option(
+        [],
+        "Folders searched first for `module:function` plugins, as if on PYTHONPATH; stored "
+        "absolute, so the run finds its plugins from any folder.",
+        path="local",
+        affects_results=False,
     )
     remote: RemoteRewardSection = field(default_factory=RemoteRewardSection)
 
@@ -393,12 +402,16 @@ class _Source:
     overrides: dict[str, str]  # dotted key -> the --set argument that set it
 
     def where(self, dotted: str) -> str:
+        """The --set argument, or the file and line, that gave `dotted` (a key or a table)."""
         if dotted in self.overrides:
             return f"--set {self.overrides[dotted]}"
-        if self.file is None:
-            return "defaults"
-        line = _line_of(self.text, dotted)
-        return f"{self.file}:{line}" if line else str(self.file)
+        line = _line_of(self.text, dotted) if self.file is not None else None
+        if line:
+            return f"{self.file}:{line}"
+        below = [item for key, item in self.overrides.items() if key.startswith(dotted + ".")]
+        if below:  # a table only an override made: `--set samplr.kind=sde`
+            return f"--set {below[0]}"
+        return str(self.file) if self.file is not None else "defaults"
 
 
 def _line_of(text: str, dotted: str) -> int | None:
@@ -464,8 +477,23 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     raise TypeError(f"unsupported config field type {tp}")
 
 
-def _expand_path(value: str) -> str:
-    return os.path.expandvars(os.path.expanduser(value)) if value else value
+def _expand_path(value: str, kind: str) -> str:
+    """`~` and `$VARS` expanded, and made absolute against the current folder, so the run's
+    stored config means the same from any folder. A `hub` path that names no local folder is
+    a hub id and stays as written (diffusers looks for a local folder of that name first too).
+    """
+    if not value:
+        return value
+    path = Path(os.path.expandvars(os.path.expanduser(value)))
+    if kind == "hub" and not path.exists():
+        return str(path)
+    return str(path.absolute())
+
+
+def _expand_paths(value: Any, kind: str) -> Any:
+    if isinstance(value, list):
+        return [_expand_path(item, kind) for item in value]
+    return _expand_path(value, kind)
 
 
 def _build_section(
@@ -501,7 +529,10 @@ def _build_section(
         if problem:
             errors.append(f"{source.where(dotted)}: `{dotted}` = {value!r} {problem}")
             continue
-        values[key] = _expand_path(coerced) if meta.get("path") else coerced
+        values[key] = _expand_paths(coerced, meta["path"]) if meta.get("path") else coerced
+    for name, f in fields.items():  # a default path (run.dir) is as relative as a given one
+        if f.metadata.get("path") and name not in values:
+            values[name] = _expand_paths(getattr(cls(), name), f.metadata["path"])
     return cls(**values)
 
 
@@ -549,6 +580,8 @@ def build_config(raw: dict[str, Any], source: _Source) -> Config:
             errors.append(f"{source.where(name)}: `{name}` must be a table ([{name}])")
         else:
             values[name] = _build_section(hints[name], table, name, source, errors)
+    for name in sections.keys() - raw.keys():  # defaults, with their paths made absolute
+        values[name] = _build_section(hints[name], {}, name, source, errors)
     if errors:
         raise FlowGrpoError("invalid config:\n  " + "\n  ".join(errors))
     return Config(**values)
@@ -560,7 +593,7 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
     text = ""
     file = None
     if path is not None:
-        file = Path(_expand_path(str(path)))
+        file = Path(_expand_path(str(path), "local"))
         if not file.is_file():
             raise FlowGrpoError(f"config file {file} does not exist")
         data = file.read_bytes()
@@ -696,7 +729,10 @@ def iter_reference(cls: type = Config, prefix: str = "") -> typing.Iterator[tupl
         if dataclasses.is_dataclass(tp):
             yield from iter_reference(tp, dotted + ".")
         else:
-            yield dotted, _toml_value_or_table(getattr(defaults, f.name)), f.metadata["help"]
+            meaning = f.metadata["help"]
+            if typing.get_origin(tp) is Literal:
+                meaning = f"{meaning.rstrip('.')}; {_type_name(tp)}."
+            yield dotted, _toml_value_or_table(getattr(defaults, f.name)), meaning
 
 
 def _toml_value_or_table(value: Any) -> str:

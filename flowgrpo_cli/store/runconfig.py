@@ -75,7 +75,7 @@ def resolve_run(
     Nothing is written here: `write` says whether the result should be stored (store_config)."""
     requested = load_config(config_file, overrides)
     root = Path(run_dir) if run_dir is not None else Path(requested.run.dir)
-    run = RunDir(root.expanduser())
+    run = RunDir(root.expanduser().absolute())
     if run.config_path.is_file():
         stored = load_config(run.config_path)
         if config_file is None:  # `--set` alone adjusts the stored config
