@@ -499,6 +499,76 @@ def report(
 
 @app.command()
 @user_errors
+def export(
+    run: Annotated[Path, typer.Argument(help="The run directory.")],
+    out: Annotated[Path, typer.Argument(help="New folder to write the export to.")],
+    iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--iteration", "-i", help="Checkpoint to export (checkpoints/iter-N); default: latest."
+        ),
+    ] = None,
+    ema: Annotated[
+        bool, typer.Option("--ema", help="The EMA weights (train.ema_decay > 0) instead.")
+    ] = False,
+    merged: Annotated[
+        bool,
+        typer.Option(
+            "--merged",
+            help="A whole pipeline folder with the LoRA fused in (full fine-tuning always is).",
+        ),
+    ] = False,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Precision of a merged pipeline: float32, bfloat16 or float16; "
+            "default model.dtype."
+        ),
+    ] = None,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option("--push-to-hub", help="Then upload the folder to this Hub repo (USER/NAME)."),
+    ] = None,
+    private: Annotated[
+        bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")
+    ] = False,
+) -> None:
+    """A checkpoint as a LoRA folder diffusers loads, or a merged pipeline, with a model card."""
+    import shlex
+
+    from flowgrpo_cli.export import export_checkpoint
+    from flowgrpo_cli.export import push_to_hub as upload
+    from flowgrpo_cli.store.runconfig import resolve_run
+    from flowgrpo_cli.store.rundir import RunLock
+
+    if not (run / "config.toml").is_file():
+        raise FlowGrpoError(f"{run} is not a run directory (it has no config.toml)")
+    if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
+        raise FlowGrpoError(f"--dtype {dtype}: choose float32, bfloat16 or float16")
+    resolved = resolve_run(None, [], run, write=False)
+    options = {"--iteration": iteration, "--ema": ema, "--merged": merged, "--dtype": dtype}
+    command = ["flowgrpo", "export", str(run), str(out)]
+    for flag, value in options.items():
+        if value is True:
+            command.append(flag)
+        elif value not in (None, False):
+            command += [flag, str(value)]
+    with RunLock(resolved.run.root):  # no update rewrites the checkpoint while it is read
+        done = export_checkpoint(
+            resolved.config, resolved.run, out, iteration=iteration, ema=ema, merged=merged,
+            dtype=dtype, command=shlex.join(command),
+        )  # fmt: skip
+    kind = "pipeline" if done.merged else "LoRA"
+    console.print(
+        f"{kind} of iteration {done.iteration} ({done.weights} weights) -> {done.folder}",
+        highlight=False,
+    )
+    if push_to_hub:
+        console.print(f"uploaded -> {upload(done.folder, push_to_hub, private=private)}")
+
+
+@app.command()
+@user_errors
 def inspect(
     path: Annotated[
         Path, typer.Argument(help="A run, an iteration folder, a stage folder or one part file.")

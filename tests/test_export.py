@@ -6,6 +6,9 @@ steps on each family's tiny pipeline, load the checkpoint the way a user does, a
 transformer's output and the noise-0 image with the policy that was trained.
 """
 
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -101,3 +104,116 @@ def test_a_checkpoint_of_another_lora_alpha_is_refused(make_run):
     other, _ = make_run("train.lora_alpha=4", name="other")
     with pytest.raises(FlowGrpoError, match="lora_alpha = 12, the policy's adapter has"):
         load_weights(policy_for(other, run), run.checkpoint_dir(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# `flowgrpo export`: what a user takes away, loaded the way they load it.
+
+
+def export(run, out, *options):
+    from typer.testing import CliRunner
+
+    from flowgrpo_cli.cli import app
+
+    return CliRunner().invoke(app, ["export", str(run.root), str(out), *options])
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_exported_folders_reproduce_the_policy(make_run, tiny_model_dir, tmp_path, mode):
+    lr = 0.05 if mode == "lora" else 1e-3
+    config, run = make_run(
+        f"train.mode={mode}", "train.lora_rank=4", "train.lora_alpha=12", f"train.lr={lr}",
+        "train.ema_decay=0.5",
+    )  # fmt: skip
+    _, trainer = do_iteration(config, run)
+    policy = trainer.policy
+    cond = policy.adapter.encode_prompts(PROMPTS, None, guidance_scale=GUIDANCE)
+    images = noise_zero_images(policy.adapter, cond)
+    with trainer.ema_weights():
+        ema_images = noise_zero_images(policy.adapter, cond)
+    base_images = pipeline_images(load_pipeline(tiny_model_dir("sd3")), "sd3")
+    assert (images - base_images).abs().max().item() > 1e-2  # training moved the images
+
+    # A LoRA run exports its adapter unless asked to merge; a full run always merges.
+    exports = [("merged", ["--merged"], images), ("ema", ["--ema", "--merged"], ema_images)]
+    if mode == "lora":
+        exports.append(("lora", [], images))
+    for name, options, expected in exports:
+        out = tmp_path / "exports" / name
+        result = export(run, out, *options, "--dtype", "float32")
+        assert result.exit_code == 0, result.output
+        assert {"README.md", "flowgrpo_config.toml"} <= {p.name for p in out.iterdir()}
+        if name == "lora":
+            assert not (out / "model_index.json").exists()
+            pipe = load_pipeline(tiny_model_dir("sd3"), out)
+        else:  # a whole pipeline, loaded with no LoRA step
+            pipe = load_pipeline(out)
+        assert (pipeline_images(pipe, "sd3") - expected).abs().max().item() < 1e-4, name
+    assert not list((tmp_path / "exports").glob(".*.tmp"))  # no staging folder left
+
+
+def test_export_picks_the_iteration_and_writes_a_model_card(make_run, tmp_path):
+    config, run = make_run("train.lora_alpha=12")
+    do_iteration(config, run)
+    do_iteration(config, run, 1)
+    (run.eval_dir(0)).mkdir(parents=True)
+    (run.eval_dir(0) / "metrics.json").write_text('{"eval/reward_mean": 0.25}')
+    (run.eval_dir(1)).mkdir(parents=True)
+    (run.eval_dir(1) / "metrics.json").write_text('{"eval/reward_mean": 0.5}')
+
+    latest = export(run, tmp_path / "latest")
+    assert latest.exit_code == 0, latest.output
+    assert "iteration 1" in (tmp_path / "latest" / "README.md").read_text()
+    first = export(run, tmp_path / "first", "--iteration", "0")
+    assert first.exit_code == 0, first.output
+    card = (tmp_path / "first" / "README.md").read_text()
+    assert "| base model | 0.2500 |" in card and "| after iteration 0 | 0.5000 |" in card
+    assert "algorithm `flow_grpo`" in card and "`jpeg_compressibility` x 1" in card
+    assert "load_lora_weights" in card and f"flowgrpo export {run.root}" in card
+    weights = "pytorch_lora_weights.safetensors"
+    assert (tmp_path / "first" / weights).read_bytes() == (
+        run.checkpoint_dir(0) / weights
+    ).read_bytes()
+
+
+def test_export_errors_name_the_problem_and_leave_nothing(make_run, tmp_path):
+    config, run = make_run()
+    result = export(run, tmp_path / "out")
+    assert result.exit_code == 1 and "no finished update yet" in result.output
+    do_iteration(config, run)
+    result = export(run, tmp_path / "out", "--iteration", "3")
+    assert result.exit_code == 1
+    assert "--iteration 3" in result.output and "iterations 0 to 0" in result.output
+    result = export(run, tmp_path / "out", "--ema")
+    assert result.exit_code == 1 and "train.ema_decay = 0" in result.output
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "x").write_text("")
+    result = export(run, tmp_path / "taken")
+    assert result.exit_code == 1 and "already exists" in result.output
+    result = export(Path(tmp_path / "no-run"), tmp_path / "out2")
+    assert result.exit_code == 1 and "is not a run directory" in result.output
+
+
+def test_push_to_hub_uploads_the_exported_folder(make_run, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    hub = tmp_path / "hub"  # a local stand-in for the Hub: a folder per repo
+
+    class StandInHub:
+        def create_repo(self, repo_id, *, repo_type, private, exist_ok):
+            (hub / repo_id).mkdir(parents=True, exist_ok=exist_ok)
+            return f"https://hub.invalid/{repo_id}"
+
+        def upload_folder(self, *, repo_id, folder_path, commit_message):
+            shutil.copytree(folder_path, hub / repo_id, dirs_exist_ok=True)
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", StandInHub)
+    config, run = make_run()
+    do_iteration(config, run)
+    result = export(run, tmp_path / "out", "--push-to-hub", "me/tiny-lora")
+    assert result.exit_code == 0, result.output
+    assert "https://hub.invalid/me/tiny-lora" in result.output
+    assert sorted(p.name for p in (hub / "me/tiny-lora").iterdir()) == sorted(
+        p.name for p in (tmp_path / "out").iterdir()
+    )

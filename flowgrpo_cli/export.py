@@ -1,0 +1,243 @@
+"""`flowgrpo export`: a run's checkpoint as what a user takes away.
+
+A LoRA run exports its adapter as a folder `pipe.load_lora_weights(folder)` reads (the file
+the checkpoint already holds, with rank and alpha in its metadata); `merged` exports a whole
+pipeline folder with the weights fused in, which `DiffusionPipeline.from_pretrained` loads with
+no LoRA step; a full fine-tuning run always exports the whole pipeline (it has no adapter).
+Both carry a model card (README.md) and the run's config. The folder is written beside OUT and
+renamed into place at the end, so a failed or killed export leaves no half-written model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.config import Config
+from flowgrpo_cli.store.rundir import RunDir, read_manifest, verify_stage
+
+CONFIG_COPY = "flowgrpo_config.toml"
+
+
+@dataclass(frozen=True)
+class Exported:
+    folder: Path
+    iteration: int  # the checkpoint's iteration: checkpoints/iter-N
+    weights: str  # "policy" or "ema"
+    merged: bool
+
+
+def export_checkpoint(
+    config: Config,
+    run: RunDir,
+    out: Path,
+    *,
+    iteration: int | None = None,
+    ema: bool = False,
+    merged: bool = False,
+    dtype: str | None = None,
+    command: str = "",
+) -> Exported:
+    """Write checkpoint `iteration` (default: the latest) of `run` to the new folder `out`."""
+    from flowgrpo_cli.training.policy import EMA_FOLDER, weights_file
+
+    number = _checkpoint_iteration(run, iteration)
+    checkpoint = run.checkpoint_dir(number)
+    verify_stage(checkpoint)  # the weights are the ones the update wrote
+    source = checkpoint / EMA_FOLDER if ema else checkpoint
+    weights = source / weights_file(config.train.mode)
+    if not weights.is_file():
+        if ema:
+            raise FlowGrpoError(
+                f"--ema: {checkpoint} holds no EMA weights (the run trained with "
+                "train.ema_decay = 0); export without --ema"
+            )
+        raise FlowGrpoError(f"{weights} is missing: was the run trained in another train.mode?")
+    _check_new_folder(out)
+    merged = merged or config.train.mode == "full"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    try:
+        if merged:
+            _write_pipeline(config, weights, staging, dtype)
+        else:
+            shutil.copyfile(weights, staging / weights.name)
+        shutil.copyfile(run.config_path, staging / CONFIG_COPY)
+        card = model_card(config, run, number, ema=ema, merged=merged, command=command)
+        (staging / "README.md").write_text(card)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Exported(out, number, "ema" if ema else "policy", merged)
+
+
+def _checkpoint_iteration(run: RunDir, iteration: int | None) -> int:
+    done = run.current_iteration()  # checkpoints 0 .. done - 1 are finished
+    if done == 0:
+        raise FlowGrpoError(
+            f"{run.root} has no finished update yet, so no checkpoint to export: run "
+            "`flowgrpo loop` (or `flowgrpo update`) first"
+        )
+    if iteration is None:
+        return done - 1
+    if read_manifest(run.checkpoint_dir(iteration)) is None:
+        raise FlowGrpoError(
+            f"--iteration {iteration}: {run.checkpoint_dir(iteration)} is missing or "
+            f"unfinished; finished checkpoints are iterations 0 to {done - 1}"
+        )
+    return iteration
+
+
+def _check_new_folder(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FlowGrpoError(f"{out} already exists and is not an empty folder: choose a new one")
+    if out.exists():
+        out.rmdir()  # an empty folder is replaced by the rename
+
+
+def _write_pipeline(config: Config, weights: Path, folder: Path, dtype: str | None) -> None:
+    """The base pipeline with the trained weights in it, as save_pretrained() writes it.
+
+    Loaded and fused in float32 whatever the base's precision, so a small LoRA update is not
+    rounded away before it is added; then cast to `dtype` (default: model.dtype).
+    """
+    import torch
+
+    from flowgrpo_cli.models import load_adapter
+    from flowgrpo_cli.training.policy import DTYPES, LORA_WEIGHTS
+
+    pipeline = load_adapter(config.model.path, dtype=torch.float32, device="cpu").pipeline
+    if weights.name == LORA_WEIGHTS:
+        # Through diffusers' own loader, as a user would: it reads rank and alpha from the file.
+        pipeline.load_lora_weights(str(weights.parent))
+        pipeline.fuse_lora()
+        pipeline.unload_lora_weights()
+    else:
+        from safetensors.torch import load_file
+
+        _load_transformer(pipeline.transformer, load_file(weights), weights)
+    pipeline.to(DTYPES[dtype or config.model.dtype])
+    pipeline.save_pretrained(folder)
+
+
+def _load_transformer(transformer: Any, state: dict[str, Any], path: Path) -> None:
+    """Full weights into the base transformer: every parameter must be there. The EMA file
+    holds parameters only; the buffers (SD3's positional table) stay the base's, as in training.
+    """
+    missing, unexpected = transformer.load_state_dict(state, strict=False)
+    buffers = {name for name, _ in transformer.named_buffers()}
+    missing_parameters = sorted(set(missing) - buffers)
+    if missing_parameters or unexpected:
+        raise FlowGrpoError(
+            f"{path} does not match the base model's transformer: missing "
+            f"{missing_parameters[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
+
+
+def model_card(
+    config: Config, run: RunDir, iteration: int, *, ema: bool, merged: bool, command: str
+) -> str:
+    """README.md for the exported folder: what it is, how it was trained and scored, how to
+    load it. Hub metadata names the base model only when it is a hub id."""
+    from flowgrpo_cli import __version__
+
+    base = config.model.path
+    local_base = Path(base).exists()
+    tags = ["flowgrpo", config.algorithm.name, "text-to-image", "diffusers"]
+    if not merged:
+        tags.append("lora")
+    front = ["---", "library_name: diffusers"]
+    if not local_base:
+        front.append(f"base_model: {base}")
+    front += ["tags:", *(f"- {tag}" for tag in tags), "---"]
+    rewards = ", ".join(f"`{name}` x {weight:g}" for name, weight in config.reward.weights.items())
+    weights = "the EMA of the trained weights" if ema else "the trained weights"
+    what = "A full pipeline with" if merged else "A LoRA adapter holding"
+    lines = [
+        *front,
+        "",
+        f"# {run.root.name}, iteration {iteration}",
+        "",
+        f"{what} {weights} after iteration {iteration} ({iteration + 1} updates) of a "
+        f"flowgrpo {__version__} run: algorithm `{config.algorithm.name}`, reward {rewards}, "
+        f"train.mode `{config.train.mode}`, base model `{base}`.",
+        "",
+        *_eval_lines(run, iteration + 1),
+        "## Use",
+        "",
+        "```python",
+        "from diffusers import DiffusionPipeline",
+        "",
+    ]
+    if merged:
+        lines.append('pipe = DiffusionPipeline.from_pretrained("THIS_FOLDER_OR_REPO")')
+    else:
+        lines += [
+            f'pipe = DiffusionPipeline.from_pretrained("{base}")',
+            'pipe.load_lora_weights("THIS_FOLDER_OR_REPO")  # rank and alpha come from the file',
+        ]
+    lines += [
+        "```",
+        "",
+        "## Made with",
+        "",
+        f"`{command}`" if command else "flowgrpo export",
+        "",
+        f"The run's config is `{CONFIG_COPY}`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _eval_lines(run: RunDir, evaluated: int) -> list[str]:
+    """The held-out evaluation of these weights beside the base's, when the run made them.
+    Evaluation uses the EMA weights when the run keeps an EMA."""
+    found = {n: _eval_reward(run, n) for n in (0, evaluated)}
+    if found[evaluated] is None:
+        return [f"No held-out evaluation was run after iteration {evaluated - 1}.", ""]
+    base = "not evaluated" if found[0] is None else f"{found[0]:.4f}"
+    return [
+        "| held-out reward (eval/reward_mean) | value |",
+        "|---|---|",
+        f"| base model | {base} |",
+        f"| after iteration {evaluated - 1} | {found[evaluated]:.4f} |",
+        "",
+    ]
+
+
+def _eval_reward(run: RunDir, iteration: int) -> float | None:
+    path = run.eval_dir(iteration) / "metrics.json"
+    if not path.is_file():
+        return None
+    metrics: dict[str, Any] = json.loads(path.read_text())
+    value = metrics.get("eval/reward_mean")
+    return float(value) if value is not None else None
+
+
+def push_to_hub(folder: Path, repo: str, *, private: bool = False) -> str:
+    """Upload an exported folder to the Hugging Face Hub repo `repo`; the repo's URL."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    api = HfApi()
+    try:
+        url = api.create_repo(repo, repo_type="model", private=private, exist_ok=True)
+        api.upload_folder(
+            repo_id=repo, folder_path=str(folder), commit_message=f"flowgrpo export {folder.name}"
+        )
+    except OfflineModeIsEnabled:
+        raise FlowGrpoError(
+            f"--push-to-hub {repo}: HF_HUB_OFFLINE is set (the just recipes set it); unset it "
+            f"to upload. The export itself is in {folder}"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        raise FlowGrpoError(
+            f"--push-to-hub {repo} failed: {err}. The export itself is in {folder}"
+        ) from None
+    return str(url)
