@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rewards.imports import add_plugin_dirs
+from flowgrpo_cli.rewards.registry import reward_needing_targets
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.prompts import PromptRow, format_problems, read_prompt_file
 from flowgrpo_cli.store.rundir import (
@@ -29,8 +31,8 @@ SPLITS = ("train", "test")
 COLUMNS = ("prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source")
 
 
-def _load(path: Path, skip_invalid: bool) -> tuple[list[PromptRow], int]:
-    parsed = read_prompt_file(path)
+def _load(path: Path, skip_invalid: bool, needs_target: str | None) -> tuple[list[PromptRow], int]:
+    parsed = read_prompt_file(path, needs_target)
     if parsed.problems and not skip_invalid:
         raise FlowGrpoError(
             f"{len(parsed.problems)} invalid prompt row(s) in {path} "
@@ -84,7 +86,7 @@ def _table(rows: list[PromptRow], data: Any):  # -> pyarrow.Table
 
 
 def _length_stats(rows: list[PromptRow]) -> dict[str, Any]:
-    lengths = [len(row.ground_truth) for row in rows]
+    lengths = [len(row.ground_truth) for row in rows if row.ground_truth is not None]
     if not lengths:
         return {}
     edges = [(1, 5), (6, 10), (11, 20), (21, 30), (31, None)]
@@ -114,12 +116,19 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
         )
     train_path = Path(data.train)
     test_path = Path(data.test) if data.test else None
+    # Prompts need a target only when a configured reward reads one (OCR): then it is named.
+    add_plugin_dirs(config.reward.plugin_dirs)
+    needs_target = reward_needing_targets(config.reward.weights)
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
-    identity = {"config": config_hash(config, STAGE_SECTIONS[PREPARE.name]), "inputs": inputs}
+    identity = {
+        "config": config_hash(config, STAGE_SECTIONS[PREPARE.name]),
+        "inputs": inputs,
+        "targets_needed_by": needs_target,  # another reward set may accept other rows
+    }
     # Read and check the prompts before the data folder exists: bad input leaves no trace.
-    train, skipped = _load(train_path, data.skip_invalid)
+    train, skipped = _load(train_path, data.skip_invalid, needs_target)
     if test_path is not None:
-        test, skipped_test = _load(test_path, data.skip_invalid)
+        test, skipped_test = _load(test_path, data.skip_invalid, needs_target)
         skipped += skipped_test
     else:
         train, test = _split(train, data.test_fraction, config.run.seed)

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
 
-PROMPTS = ['A sign that says "OPEN"', 'A mug with "42"']
+PROMPTS = ["a cat on a sofa", "a red bicycle"]  # no quoted targets: the reward reads none
 
 
 def invoke(*args: str):
@@ -16,6 +16,7 @@ def invoke(*args: str):
 
 
 def test_relative_paths_and_plugin_dirs_are_stored_absolute(tmp_path, tiny_model_dir, monkeypatch):
+    """A project's run works from any folder, and trains on a plain prompt list."""
     # A project folder with its model, prompts and a reward plugin, all named relative to it.
     project = tmp_path / "project"
     (project / "plugins").mkdir(parents=True)
@@ -32,7 +33,7 @@ def test_relative_paths_and_plugin_dirs_are_stored_absolute(tmp_path, tiny_model
             "[sampler]\nnum_steps = 2\nbatch_size = 4",
             "[algorithm]\ngroup_size = 2\nprompts_per_iteration = 2",
             "[train]\nlora_rank = 2\nmicro_batch_size = 2",
-            "[eval]\nevery = 0",
+            "[eval]\nevery = 1\nnum_prompts = 2\nnum_steps = 2",
             '[reward]\nplugin_dirs = ["plugins"]\nweights = {"rw_dirs_reward:score" = 1.0}',
         ])
     )  # fmt: skip
@@ -51,6 +52,7 @@ def test_relative_paths_and_plugin_dirs_are_stored_absolute(tmp_path, tiny_model
     result = invoke("loop", "-n", "1", "--run", str(project / "runs/r"))
     assert result.exit_code == 0, result.output
     assert (project / "runs/r/checkpoints/iter-000000/manifest.json").is_file()
+    assert (project / "runs/r/eval/iter-000001/metrics.json").is_file()
 
 
 def test_a_hub_id_stays_a_hub_id(tmp_path, monkeypatch):

@@ -107,10 +107,12 @@ def test_missing_prompt_column_names_file_and_columns(tmp_path):
 def test_line_without_target_and_empty_prompt_are_errors_with_lines(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text('good "A"\nno target here\n\n   \ngood "B"\n')
-    result = prepare(tmp_path, "--train", path, "--test", path)
+    result = prepare(tmp_path, "--train", path, "--test", path)  # the default reward: ocr
     assert result.exit_code == 1
     assert "3 invalid prompt row(s)" in result.output
-    assert f"{path}:2: no quoted target text" in result.output
+    assert f"{path}:2: no quoted target text in 'no target here'; the `ocr` reward" in (
+        result.output
+    )
     assert f"{path}:3: empty prompt" in result.output
     assert f"{path}:4: empty prompt" in result.output
     assert "Traceback" not in result.output
@@ -137,7 +139,7 @@ def test_lines_split_on_newline_only(tmp_path):
     """Form feed, vertical tab and U+2028 stay inside their line; \\r\\n ends one."""
     path = tmp_path / "p.txt"
     path.write_text('a "A"\fstill line 1\r\nb "B"\vand\u2028more\r\nno target\n', newline="")
-    parsed = read_prompt_file(path)
+    parsed = read_prompt_file(path, needs_target="ocr")
     assert [r.prompt for r in parsed.rows] == ['a "A"\fstill line 1', 'b "B"\vand\u2028more']
     assert [p.source for p in parsed.problems] == [f"{path}:3"]
 
@@ -290,3 +292,38 @@ def test_paper_ocr_prompts(tmp_path):
     for line, target in zip(lines, frame.ground_truth, strict=True):
         assert f'"{target}"' in line
         assert line.index(f'"{target}"') == line.index('"')
+
+
+def test_prompts_without_targets_serve_rewards_that_need_none(tmp_path, monkeypatch):
+    """A plain prompt list is valid input unless a configured reward reads the target."""
+    plain = tmp_path / "plain.csv"
+    pd.DataFrame({"prompt": ["a cat on a sofa", "a red bicycle", 'a sign "OPEN"']}).to_csv(
+        plain, index=False
+    )
+    jpeg = ["--set", "reward.weights={jpeg_compressibility = 1.0}"]
+    result = prepare(tmp_path, "--train", plain, "--test", plain, *jpeg)
+    assert result.exit_code == 0, result.output
+    targets = pq.read_table(tmp_path / "run/data/train.parquet").column("ground_truth")
+    assert targets.to_pylist() == [None, None, "OPEN"]
+
+    # A plugin that reads ground truths is named as the one that needs them.
+    (tmp_path / "rw_reads_targets.py").write_text(
+        "def score(images, prompts, metadata):\n    return [0.0] * len(images)\n"
+        "score.needs = {'images', 'ground_truths'}\n"
+    )
+    plugin = [
+        "--set",
+        f'reward.plugin_dirs=["{tmp_path}"]',
+        "--set",
+        'reward.weights={jpeg_compressibility = 1.0, "rw_reads_targets:score" = 1}',
+    ]
+    result = runner.invoke(app, ["prepare", "--run", str(tmp_path / "other"), "--train",
+                                 str(plain), "--test", str(plain), *plugin])  # fmt: skip
+    assert result.exit_code == 1
+    assert "2 invalid prompt row(s)" in result.output
+    assert f"{plain}:2: no quoted target text in 'a cat on a sofa'" in result.output
+    assert "the `rw_reads_targets:score` reward needs one" in result.output
+
+    # Switching the run to OCR redoes prepare, which then refuses the rows OCR cannot score.
+    result = prepare(tmp_path, "--set", "reward.weights={ocr = 1.0}", "--allow-config-change")
+    assert result.exit_code == 1 and "the `ocr` reward needs one" in result.output

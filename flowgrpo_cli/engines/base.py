@@ -24,7 +24,7 @@ class SampleRequest:
     group_id: int
     seed: int
     prompt: str
-    ground_truth: str
+    ground_truth: str | None  # None: the prompt has no target
     negative_prompt: str
     system_prompt: str
 

@@ -8,11 +8,12 @@ plugin (see plugin.py).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from typing import cast
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rewards.base import Reward
+from flowgrpo_cli.rewards.base import Need, Reward
 from flowgrpo_cli.rewards.imports import import_object
 from flowgrpo_cli.rewards.options import RewardOptions
 
@@ -44,3 +45,20 @@ def resolve(name: str) -> Builder:
             f"{', '.join(REWARD_NAMES)}, or `module:function` for a plugin"
         )
     return cast(Builder, import_object(_BUILDERS[name], f"built-in reward {name!r}"))
+
+
+def reward_needs(name: str) -> frozenset[Need]:
+    """What reward `name` reads from a batch, known without building it (no OCR engine or
+    server is started): a plugin's `needs`, or the `needs` of the class a built-in's builder
+    returns."""
+    builder = resolve(name)
+    if ":" in name:
+        return builder(RewardOptions()).needs
+    returned = builder.__annotations__["return"]  # a name: `from __future__ import annotations`
+    reward_class = getattr(sys.modules[builder.__module__], returned, returned)
+    return reward_class.needs
+
+
+def reward_needing_targets(names: Iterable[str]) -> str | None:
+    """The first of the rewards `names` that reads ground truths (OCR targets), or None."""
+    return next((name for name in names if "ground_truths" in reward_needs(name)), None)

@@ -2,8 +2,9 @@
 
 Every row keeps where it came from (`file:line`), so each problem can be reported at its line;
 a file with problems is an error listing them all, unless the caller asks to skip invalid rows.
-The OCR target is the first quoted span of the prompt ("..." or “...”) unless the file gives
-a `ground_truth` column.
+The target (the text an OCR reward reads for) is the first quoted span of the prompt ("..." or
+“...”) unless the file gives a `ground_truth` column; a prompt may have none, and is then
+refused only when a reward that needs targets will score it (`needs_target`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _MAX_LISTED = 10
 @dataclass(frozen=True)
 class PromptRow:
     prompt: str
-    ground_truth: str
+    ground_truth: str | None  # None: no target (fine unless a reward needs one)
     negative_prompt: str | None
     source: str  # "file:line", for messages and traceability
 
@@ -85,8 +86,6 @@ def _row(
         target = ground_truth.strip()
     else:
         target = extract_target(prompt)
-        if target is None:
-            return PromptProblem(source, f"no quoted target text in {_clip(prompt)!r}")
     negative_text = negative if isinstance(negative, str) and negative.strip() else None
     return PromptRow(prompt, target, negative_text, source)
 
@@ -193,8 +192,10 @@ def _read_parquet(path: Path) -> list[PromptRow | PromptProblem]:
     ]
 
 
-def read_prompt_file(path: Path) -> PromptFile:
-    """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all."""
+def read_prompt_file(path: Path, needs_target: str | None = None) -> PromptFile:
+    """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all.
+    `needs_target` names the reward that needs every prompt to have a target, if any: a row
+    without one is then a problem that says so."""
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise FlowGrpoError(f"prompt file {path} {what}")
@@ -211,9 +212,21 @@ def read_prompt_file(path: Path) -> PromptFile:
             f"(supported: {', '.join(SUPPORTED_SUFFIXES)})"
         )
     items = reader(path)
+    if needs_target is not None:
+        items = [_require_target(item, needs_target) for item in items]
     rows = [item for item in items if isinstance(item, PromptRow)]
     problems = [item for item in items if isinstance(item, PromptProblem)]
     return PromptFile(rows, problems)
+
+
+def _require_target(item: PromptRow | PromptProblem, reward: str) -> PromptRow | PromptProblem:
+    if not isinstance(item, PromptRow) or item.ground_truth is not None:
+        return item
+    return PromptProblem(
+        item.source,
+        f"no quoted target text in {_clip(item.prompt)!r}; the `{reward}` reward needs one "
+        '(quote it in the prompt, "like this", or give a ground_truth column)',
+    )
 
 
 def format_problems(problems: list[PromptProblem]) -> str:

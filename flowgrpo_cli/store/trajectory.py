@@ -52,7 +52,7 @@ class TrajectoryRows:
     group_ids: list[int]
     seeds: list[int]
     prompts: list[str]
-    ground_truths: list[str]
+    ground_truths: list[str | None]
     timesteps: torch.Tensor  # [B, T] float32
     timesteps_next: torch.Tensor  # [B, T] float32
     trained: torch.Tensor  # [B, T] bool
