@@ -84,6 +84,11 @@ overfit iterations="30": setup
         --set data.train_prompts=4 --set algorithm.prompts_per_iteration=4 \
         --set algorithm.group_size=16 --set eval.every=0
 
+# Disk of a 1,000-iteration run of examples/sd35m_ocr.toml, with and without retention,
+# measured on the tiny model and scaled to SD3.5-M's shapes (README, "The run directory").
+disk-projection: setup
+    {{python}} -m benchmarks.disk_projection
+
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
 bench *ARGS: setup

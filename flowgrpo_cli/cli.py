@@ -384,6 +384,9 @@ def _update(resolved: Any, number: int) -> None:
     progress = RichProgress() if _is_main() else NullProgress()
     result = stage.run(resolved.config, resolved.run, number, trainer, progress)
     if _is_main():
+        from flowgrpo_cli.store.retention import prune_finished
+
+        prune_finished(resolved.run, resolved.config.run.keep_trajectories)
         render_metrics(console, f"update iteration {number}", result.metrics)
 
 
@@ -429,7 +432,7 @@ def loop(
 
         main = _is_main()
         done = resolved.run.current_iteration()
-        if main and done >= iterations:
+        if main and done >= iterations > 0:
             console.print(f"{resolved.run.root}: {done} iteration(s) already done")
         run_loop(
             resolved.config,
@@ -437,6 +440,7 @@ def loop(
             iterations,
             progress=RichProgress() if main else NullProgress(),
             on_iteration=(lambda s: render_iteration(console, s)) if main else None,
+            on_note=lambda text: console.print(text, highlight=False),
         )
 
     _run_ranks(resolved, nproc, body, ray_address)

@@ -18,9 +18,11 @@ from flowgrpo_cli.launch.ray_cluster import pool_scorer_in_rank
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.stages.evaluate import evaluate
+from flowgrpo_cli.stages.rollout import latent_bytes_per_iteration
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest
-from flowgrpo_cli.store.metrics_log import TensorBoard, rebuild
+from flowgrpo_cli.store.metrics_log import TensorBoard, read_log, rebuild
+from flowgrpo_cli.store.retention import prune_finished
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, atomic_write_bytes, read_manifest
 from flowgrpo_cli.store.trajectory import iter_batches, read_table
 from flowgrpo_cli.training.policy import load_policy, load_weights
@@ -43,7 +45,10 @@ def run_loop(
     *,
     progress: Progress | None = None,
     on_iteration=None,
+    on_note=None,
 ) -> list[IterationSummary]:
+    """Train until `iterations` are done; `on_iteration(summary)` after each one and
+    `on_note(text)` for what a user should know before the first (main rank only)."""
     from flowgrpo_cli.rewards.commands import build_rewards_from_config
     from flowgrpo_cli.stages import prepare, rollout, score, update
 
@@ -65,6 +70,9 @@ def run_loop(
         trainer.load(run.checkpoint_dir(start - 1))
     engine = build_engine(config, policy)
     board = TensorBoard(run) if info.is_main else None
+    if info.is_main and on_note is not None and start < iterations:
+        on_note(disk_note(config, policy.adapter.latent_shape(config.model.height,
+                                                              config.model.width)))  # fmt: skip
     summaries = []
     with build_rewards_from_config(config.reward) as rewards:
         if _eval_due(config, start, iterations):
@@ -72,6 +80,7 @@ def run_loop(
                 evaluate(config, run, start, engine, rewards)
         if info.is_main:  # what a kill after the last checkpoint left unwritten
             write_logs(run, start)
+            prune_finished(run, config.run.keep_trajectories)
         for iteration in range(start, iterations):
             started = time.perf_counter()
             with trainer.sampling_weights():  # nft samples with its anchor
@@ -84,6 +93,7 @@ def run_loop(
                     evaluate(config, run, iteration + 1, engine, rewards)
             barrier()
             if info.is_main:
+                prune_finished(run, config.run.keep_trajectories)
                 lines = write_logs(run, iteration + 1)
                 latest = next(line for line in lines if line["iteration"] == iteration)
                 board.log(latest)
@@ -91,9 +101,46 @@ def run_loop(
                 summaries.append(summary)
                 if on_iteration is not None:
                     on_iteration(summary)
+    if info.is_main:
+        _report_final_evaluation(run, iterations, board, on_note)
     if board is not None:
         board.close()
     return summaries
+
+
+def _report_final_evaluation(run: RunDir, iterations: int, board, on_note) -> None:
+    """The evaluation after the last iteration (of the base, for -n 0): no iteration's line
+    carries it, so it is logged and shown here."""
+    final = next((line for line in read_log(run) if line["iteration"] == iterations), {})
+    evals = {k: v for k, v in final.items() if k.startswith("eval/")}
+    if not evals:
+        return
+    board.log({"iteration": iterations, **evals})
+    if on_note is not None:
+        what = "the base model" if iterations == 0 else f"the policy after {iterations} iterations"
+        shown = sorted((k for k in evals if k.endswith(("_mean", "_exact"))),
+                       key=lambda k: (k != "eval/reward_mean", k))  # fmt: skip
+        on_note(f"held-out evaluation of {what}: "
+                + ", ".join(f"{k} {evals[k]:.4g}" for k in shown))  # fmt: skip
+
+
+def disk_note(config: Config, latent_shape: tuple[int, ...]) -> str:
+    """The disk the trajectories take: per iteration, and at most while the run keeps them."""
+    per_iteration = latent_bytes_per_iteration(config, latent_shape)
+    keep = config.run.keep_trajectories
+    # at most the kept iterations plus the one in progress
+    kept = "all kept" if keep < 0 else f"at most {_size(per_iteration * (keep + 1))} at a time"
+    return (
+        f"disk: trajectory latents {_size(per_iteration)} per iteration, {kept} "
+        f"(run.keep_trajectories = {keep})"
+    )
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
 
 
 def _eval_due(config: Config, iteration: int, iterations: int) -> bool:

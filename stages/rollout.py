@@ -8,6 +8,7 @@ prompt, k), never on batch size or rank count, so 1 and N processes write the sa
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,6 +83,16 @@ def iteration_schedule(config: Config, iteration: int) -> StepSchedule:
         window_range=window_range,
         rng=random.Random(derive_seed(config.run.seed, iteration, "window")),
     )
+
+
+def latent_bytes_per_iteration(config: Config, latent_shape: tuple[int, ...]) -> int:
+    """What one iteration's trajectory latents take on disk (float32): every image's states
+    around its stochastic steps, or its clean latent alone for nft / awm."""
+    states = 1
+    if spec(config.algorithm.name).needs_trajectory:
+        states += sum(iteration_schedule(config, 0).stochastic)
+    images = config.algorithm.group_size * config.algorithm.prompts_per_iteration
+    return images * states * math.prod(latent_shape) * 4
 
 
 def sampler_settings(config: Config, iteration: int) -> SamplerSettings:

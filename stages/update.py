@@ -258,7 +258,12 @@ def run(
     if read_manifest(checkpoint_dir) is not None and read_manifest(update_dir) is not None:
         return StageResult(read_manifest(update_dir), read_metrics(update_dir), fresh=False)
     policy = trainer.policy
-    require_manifest(rollout_dir, ROLLOUT.command)
+    if "pruned" in require_manifest(rollout_dir, ROLLOUT.command):
+        raise FlowGrpoError(
+            f"{rollout_dir}: its trajectory latents were deleted after its update finished "
+            "(run.keep_trajectories), so this update cannot be redone alone; delete "
+            f"{rollout_dir.parent} to redo the whole iteration"
+        )
     require_manifest(scores_dir, SCORE.command)
     identity = {
         "config": config_hash(config, STAGE_SECTIONS[UPDATE.name]),

@@ -41,6 +41,12 @@ def test_two_iterations_end_to_end(make_run):
     assert run_loop(config, run, ITERATIONS) == []
     assert read_log(run) == log
     assert list((run.root / "tensorboard").glob("events.out.tfevents.*"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run.root / "tensorboard"))
+    board.Reload()
+    logged = {event.step for event in board.Scalars("eval/reward_mean")}
+    assert logged == {0, 1, 2}  # the base, and after each iteration: the final one too
     page = write_report(run).read_text()
     assert page.count("<img") >= 6 + 5  # plots + iteration and eval grids
     assert (run.root / "report" / "rewards.png").is_file()
@@ -56,6 +62,10 @@ def test_zero_iterations_evaluates_the_base_and_trains_nothing(make_run):
     assert result.exit_code == 0, result.output
     metrics = json.loads((run.eval_dir(0) / "metrics.json").read_text())
     assert metrics["eval/images"] == 2
+    reward = metrics["eval/reward_mean"]
+    assert f"held-out evaluation of the base model: eval/reward_mean {reward:.4g}" in " ".join(
+        result.output.split()
+    )
     assert not run.stage_dir(0, ROLLOUT).exists() and run.current_iteration() == 0
     result = CliRunner().invoke(app, ["loop", "--run", str(run.root), "-n", "-1"])
     assert result.exit_code == 1 and "--iterations -1: must be at least 0" in result.output
@@ -73,6 +83,45 @@ def test_report_without_metrics_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert result.exit_code == 1
     assert "run `flowgrpo loop` first" in result.output
+
+
+def test_a_long_runs_report_stays_small(tmp_path):
+    """200 iterations of grids: a bounded number of thumbnails, linked to the grids."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from flowgrpo_cli.reporting.grid import GridItem, make_grid
+    from flowgrpo_cli.reporting.report import MAX_GRIDS
+    from flowgrpo_cli.store.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    samples = run.root / "samples"
+    samples.mkdir(parents=True)
+    # The loop's own grid of 16 noise images: what the tiny random model draws, and the
+    # hardest content to compress that a run makes.
+    rng = np.random.default_rng(0)
+    items = []
+    for _ in range(16):
+        buffer = io.BytesIO()
+        noise = rng.integers(0, 255, (64, 64, 3), dtype=np.uint8)
+        Image.fromarray(noise).save(buffer, format="PNG")
+        items.append(GridItem(buffer.getvalue(), 'a sign that says "OPEN"', "OPEN", 0.5))
+    (samples / "grid.png").write_bytes(make_grid(items))
+    names = [f"iter-{i:06d}.png" for i in range(200)]
+    names += [f"eval-iter-{i:06d}.png" for i in range(0, 201, 10)]
+    for name in names:
+        (samples / name).hardlink_to(samples / "grid.png")
+    (samples / "grid.png").unlink()
+    lines = [{"iteration": i, "update/loss": 0.1, "reward/ocr_mean": 0.5} for i in range(200)]
+    run.metrics_path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    page = write_report(run).read_text()
+    assert 2 * MAX_GRIDS <= page.count("data:image/jpeg") <= 2 * MAX_GRIDS
+    for first_and_last in ("iter-000000.png", "iter-000199.png", "eval-iter-000200.png"):
+        assert f'href="../samples/{first_and_last}"' in page
+    assert f"{len(names) - 2 * MAX_GRIDS} more grids in" in page
+    assert len(page) < 3_000_000
 
 
 def loop_command(run_root: Path) -> list[str]:

@@ -208,6 +208,7 @@ def prepared_run(ray_cluster, tiny_model_dir) -> Path:
             "train.lora_alpha=8",
             "train.micro_batch_size=2",
             f'reward.weights={{jpeg_compressibility = 1.0, "{PLUGIN_MODULE}:score" = 1.0}}',
+            f'reward.plugin_dirs=["{base / "plugins"}"]',  # prepare reads the plugin's needs
             "eval.every=0",
         ],
     )

@@ -40,7 +40,8 @@ def _status(stage_dir: Path) -> str:
     manifest = read_manifest(stage_dir)
     if manifest is not None:
         counts = ", ".join(f"{k} {v}" for k, v in manifest.get("counts", {}).items())
-        return f"[green]done[/] ({counts})"
+        pruned = "; latents pruned (run.keep_trajectories)" if "pruned" in manifest else ""
+        return f"[green]done[/] ({counts}{pruned})"
     return "[yellow]incomplete[/]" if stage_dir.exists() else "-"
 
 

@@ -1,13 +1,16 @@
 """`flowgrpo report RUN`: one self-contained HTML page (plots and grids inlined) plus PNG plots.
 
 Everything comes from RUN/metrics.jsonl and RUN/samples/, so a report can be made while a run
-is still going, or long after, and never needs the model.
+is still going, or long after, and never needs the model. The page stays a few MB however long
+the run: it inlines JPEG thumbnails of at most MAX_GRIDS training and MAX_GRIDS evaluation
+grids (the first, the last and evenly spaced between), each linking to its full-size PNG.
 """
 
 from __future__ import annotations
 
 import base64
 import html
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,6 @@ def _plots(keys: set[str]) -> list[Plot]:
 
 
 def _draw(plot: Plot, log: list[dict[str, Any]]) -> bytes:
-    import io
 
     import matplotlib
 
@@ -69,9 +71,48 @@ def _draw(plot: Plot, log: list[dict[str, Any]]) -> bytes:
     return buffer.getvalue()
 
 
-def _img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode()
-    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+MAX_GRIDS = 8  # per kind (training, evaluation)
+THUMBNAIL_WIDTH = 512  # px
+
+
+def _img(data: bytes, alt: str, mime: str = "image/png") -> str:
+    encoded = base64.b64encode(data).decode()
+    return f'<img alt="{html.escape(alt)}" src="data:{mime};base64,{encoded}">'
+
+
+def _spread(items: list[Path], count: int) -> list[Path]:
+    """`count` items: the first, the last and evenly spaced between (all when fewer)."""
+    if len(items) <= count:
+        return items
+    picks = sorted({round(i * (len(items) - 1) / (count - 1)) for i in range(count)})
+    return [items[i] for i in picks]
+
+
+def _thumbnail(png: Path) -> bytes:
+    from PIL import Image
+
+    with Image.open(png) as image:
+        small = image.convert("RGB")
+    small.thumbnail((THUMBNAIL_WIDTH, THUMBNAIL_WIDTH * 4))
+    buffer = io.BytesIO()
+    small.save(buffer, format="JPEG", quality=70)
+    return buffer.getvalue()
+
+
+def _grids(samples: Path) -> str:
+    """The chosen grids as thumbnails, each a link to its PNG (report/ sits beside samples/)."""
+    if not samples.is_dir():
+        return ""
+    paths = sorted(samples.glob("*.png"))
+    evals = [p for p in paths if p.name.startswith("eval-")]
+    chosen = _spread([p for p in paths if p not in evals], MAX_GRIDS) + _spread(evals, MAX_GRIDS)
+    skipped = len(paths) - len(chosen)
+    note = f"<p>{skipped} more grids in <code>samples/</code>.</p>" if skipped else ""
+    return note + "".join(
+        f'<h3>{html.escape(p.stem)}</h3><a href="../samples/{html.escape(p.name)}">'
+        f"{_img(_thumbnail(p), p.stem, 'image/jpeg')}</a>"
+        for p in chosen
+    )
 
 
 def _summary_table(log: list[dict[str, Any]]) -> str:
@@ -115,10 +156,7 @@ def write_report(run: RunDir) -> Path:
         png = _draw(plot, log)
         atomic_write_bytes(out / f"{plot.name}.png", png)
         plots.append(_img(png, plot.title))
-    grids = []
-    samples = run.root / "samples"
-    for path in sorted(samples.glob("*.png")) if samples.is_dir() else []:
-        grids.append(f"<h3>{html.escape(path.stem)}</h3>{_img(path.read_bytes(), path.stem)}")
+    grids = _grids(run.root / "samples")
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>flowgrpo report: {html.escape(run.root.name)}</title>
 <style>{STYLE}</style></head><body>
@@ -128,7 +166,7 @@ Train reward: mean over each iteration's rollout images. Eval: ODE sampling of f
 prompts with fixed seeds.</p>
 <h2>Curves</h2><div class="plots">{"".join(plots)}</div>
 <h2>Iterations</h2>{_summary_table(log)}
-<h2>Sample grids</h2><div class="grids">{"".join(grids)}</div>
+<h2>Sample grids</h2><div class="grids">{grids}</div>
 </body></html>
 """
     atomic_write_bytes(out / "index.html", page.encode())

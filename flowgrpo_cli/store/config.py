@@ -86,6 +86,14 @@ class RunSection:
         "Seed of everything random: prompt order, noise, dropout, splits.",
         check=lambda v: None if 0 <= v < 2**63 else "must be in [0, 2**63) (a torch seed)",
     )
+    keep_trajectories: int = _option(
+        2,
+        "Keep the trajectory latents and conditioning of the last K finished iterations; "
+        "older ones are deleted once their update is done (images, scores, metrics and "
+        "checkpoints stay). -1 = keep all.",
+        check=_at_least(-1),
+        affects_results=False,
+    )
 
 
 @dataclass

@@ -261,7 +261,12 @@ def read_metrics(stage_dir: Path) -> dict[str, float]:
 
 
 def manifest_hash(stage_dir: Path) -> str:
-    """Identity of a finished stage output, recorded by the stages that read it."""
+    """Identity of a finished stage output, recorded by the stages that read it. A pruned
+    rollout (store.retention) keeps the identity it was finished with."""
+    manifest = read_manifest(stage_dir)
+    pruned = manifest.get("pruned") if manifest is not None else None
+    if isinstance(pruned, dict) and isinstance(pruned.get("original_manifest"), str):
+        return pruned["original_manifest"]
     return sha256_file(stage_dir / MANIFEST)[:16]
 
 

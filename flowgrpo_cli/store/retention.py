@@ -1,0 +1,116 @@
+"""Retention: the trajectories of finished iterations are deleted, all but the last K.
+
+What makes a rollout large is what only its update reads: the latents around every stochastic
+step of every image (SD3.5-M at 512 px: about 1 MB a step an image) and the text conditioning
+of every prompt. Once an iteration's update has finished nothing reads them again, so with
+`run.keep_trajectories = K` the rollouts of older finished iterations are rewritten without
+them. Images, prompts, seeds, per-step sigmas and log-probs stay, as do scores, advantages,
+metrics, checkpoints and evaluations; only that iteration's update can no longer be redone.
+
+A rollout is pruned beside itself (`rollout.pruning/`) and swapped in with two renames
+(the old folder goes to `rollout.replaced/` in between); `recover` completes or undoes a
+swap a kill interrupted, so every state a kill can leave is one the next pass finishes. The
+pruned manifest lists the new parts and records the pruning, including the original
+manifest's hash, which stays the rollout's identity for the stages that recorded it
+(`rundir.manifest_hash`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowgrpo_cli.store.rundir import (
+    MANIFEST,
+    ROLLOUT,
+    RunDir,
+    atomic_write_json,
+    manifest_hash,
+    read_manifest,
+    sha256_file,
+)
+from flowgrpo_cli.store.trajectory import ArrowPartWriter, iter_batches, open_part
+
+PRUNED_COLUMNS = ("latents",)  # trajectory columns only the update reads
+_STAGING = ".pruning"
+_REPLACED = ".replaced"
+
+
+@dataclass(frozen=True)
+class Pruned:
+    iterations: list[int]  # the iterations pruned by this pass
+    bytes_freed: int
+
+
+def prune_finished(run: RunDir, keep: int) -> Pruned:
+    """Prune the rollouts of finished iterations older than the last `keep` (keep < 0: none).
+    Call it holding the run's lock, on one process."""
+    if keep < 0:
+        return Pruned([], 0)
+    finished = run.current_iteration()  # iterations 0 .. finished - 1 have their checkpoint
+    pruned, freed = [], 0
+    for iteration in range(max(0, finished - keep)):
+        folder = run.stage_dir(iteration, ROLLOUT)
+        recover(folder)
+        manifest = read_manifest(folder) if folder.is_dir() else None
+        if manifest is None or "pruned" in manifest:
+            continue
+        freed += _prune(folder, manifest)
+        pruned.append(iteration)
+    return Pruned(pruned, freed)
+
+
+def is_pruned(rollout_dir: Path) -> bool:
+    manifest = read_manifest(rollout_dir)
+    return manifest is not None and "pruned" in manifest
+
+
+def recover(folder: Path) -> None:
+    """Finish or undo a swap a kill interrupted (see the module docstring)."""
+    staging, replaced = _sibling(folder, _STAGING), _sibling(folder, _REPLACED)
+    if replaced.is_dir() and not folder.exists():
+        staging.rename(folder)  # killed between the two renames: staging was complete
+    if replaced.is_dir():
+        shutil.rmtree(replaced)
+    if staging.is_dir():  # killed while pruning: the original is untouched
+        shutil.rmtree(staging)
+
+
+def _sibling(folder: Path, suffix: str) -> Path:
+    return folder.with_name(folder.name + suffix)
+
+
+def _prune(folder: Path, manifest: dict[str, Any]) -> int:
+    """Rewrite `folder` without its latents and conditioning; the bytes this frees."""
+    staging, replaced = _sibling(folder, _STAGING), _sibling(folder, _REPLACED)
+    staging.mkdir()
+    parts = []
+    for name in manifest["trajectory_parts"]:
+        source = folder / name
+        schema = open_part(source).schema
+        keep = [column for column in schema.names if column not in PRUNED_COLUMNS]
+        with ArrowPartWriter(staging / name) as writer:
+            for batch in iter_batches([source], keep):
+                writer.write(batch)
+        path = staging / name
+        parts.append({"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+    listed = {part["name"] for part in manifest["parts"]}
+    for path in folder.iterdir():  # metrics.json and anything else the stage wrote beside
+        if path.is_file() and path.name not in listed and path.name != MANIFEST:
+            shutil.copyfile(path, staging / path.name)
+    before = sum(part["bytes"] for part in manifest["parts"])
+    after = sum(part["bytes"] for part in parts)
+    record = {
+        "original_manifest": manifest_hash(folder),
+        "dropped_columns": list(PRUNED_COLUMNS),
+        "dropped_parts": list(manifest["conditioning_parts"]),
+        "bytes_before": before,
+        "bytes_after": after,
+    }
+    atomic_write_json(staging / MANIFEST, {**manifest, "parts": parts, "pruned": record})
+    folder.rename(replaced)
+    staging.rename(folder)
+    shutil.rmtree(replaced)
+    return before - after
