@@ -198,12 +198,17 @@ IterationOpt = Annotated[
 
 
 def _run_ranks(
-    resolved: Any, nproc: int | None, body: Callable[[], None], ray_address: str | None = None
+    resolved: Any,
+    nproc: int | None,
+    body: Callable[[], None],
+    ray_address: str | None = None,
+    first: Callable[[], None] | None = None,
 ) -> None:
     """Run `body` in this process, or as `nproc` ranks re-launched through torchrun or placed
     by Ray (`--ray-address`, or distributed.backend = "ray").
 
-    The launching process holds the run's lock while its ranks work; ranks take no lock.
+    The launching process holds the run's lock while its ranks work, and runs `first` under
+    it before any rank starts; ranks take no lock.
     """
     import sys
 
@@ -217,6 +222,8 @@ def _run_ranks(
         return
     address = ray_address_for(resolved.config, ray_address)
     with resolved.writing():
+        if first is not None:
+            first()
         if address is not None:
             from flowgrpo_cli.launch.ray_cluster import launch_ray
 
@@ -384,9 +391,10 @@ def _update(resolved: Any, number: int) -> None:
     progress = RichProgress() if _is_main() else NullProgress()
     result = stage.run(resolved.config, resolved.run, number, trainer, progress)
     if _is_main():
-        from flowgrpo_cli.store.retention import prune_finished
+        from flowgrpo_cli.store.retention import apply_retention
 
-        prune_finished(resolved.run, resolved.config.run.keep_trajectories)
+        section = resolved.config.run
+        apply_retention(resolved.run, section.keep_trajectories, section.keep_checkpoints)
         render_metrics(console, f"update iteration {number}", result.metrics)
 
 
@@ -413,6 +421,15 @@ def loop(
     allow_config_change: AllowChangeOpt = False,
     nproc: NprocOpt = None,
     ray_address: RayAddressOpt = None,
+    restart_from: Annotated[
+        int | None,
+        typer.Option(
+            "--restart-from",
+            help="First delete iteration N and every later one (stages, checkpoints, "
+            "evaluations, grids), then train from checkpoint N-1: redo them, e.g. with a "
+            "changed config.",
+        ),
+    ] = None,
 ) -> None:
     """Rollout -> score -> update, iteration after iteration; a re-run resumes."""
     from flowgrpo_cli.store.runconfig import resolve_run
@@ -443,7 +460,13 @@ def loop(
             on_note=lambda text: console.print(text, highlight=False),
         )
 
-    _run_ranks(resolved, nproc, body, ray_address)
+    def drop() -> None:
+        from flowgrpo_cli.store.retention import drop_iterations
+
+        if restart_from is not None:
+            drop_iterations(resolved.run, restart_from)
+
+    _run_ranks(resolved, nproc, body, ray_address, first=drop)
 
 
 @app.command()

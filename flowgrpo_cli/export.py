@@ -44,11 +44,11 @@ def export_checkpoint(
     command: str = "",
 ) -> Exported:
     """Write checkpoint `iteration` (default: the latest) of `run` to the new folder `out`."""
-    from flowgrpo_cli.training.policy import EMA_FOLDER, weights_file
+    from flowgrpo_cli.training.policy import EMA_FOLDER, require_weights, weights_file
 
     number = _checkpoint_iteration(run, iteration)
     checkpoint = run.checkpoint_dir(number)
-    verify_stage(checkpoint)  # the weights are the ones the update wrote
+    require_weights(checkpoint, verify_stage(checkpoint))  # as the update wrote them
     source = checkpoint / EMA_FOLDER if ema else checkpoint
     weights = source / weights_file(config.train.mode)
     if not weights.is_file():

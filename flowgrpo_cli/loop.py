@@ -22,7 +22,7 @@ from flowgrpo_cli.stages.rollout import latent_bytes_per_iteration
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.metrics_log import TensorBoard, read_log, rebuild
-from flowgrpo_cli.store.retention import prune_finished
+from flowgrpo_cli.store.retention import apply_retention
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, atomic_write_bytes, read_manifest
 from flowgrpo_cli.store.trajectory import iter_batches, read_table
 from flowgrpo_cli.training.policy import load_policy, load_weights
@@ -80,7 +80,7 @@ def run_loop(
                 evaluate(config, run, start, engine, rewards)
         if info.is_main:  # what a kill after the last checkpoint left unwritten
             write_logs(run, start)
-            prune_finished(run, config.run.keep_trajectories)
+            apply_retention(run, config.run.keep_trajectories, config.run.keep_checkpoints)
         for iteration in range(start, iterations):
             started = time.perf_counter()
             with trainer.sampling_weights():  # nft samples with its anchor
@@ -93,7 +93,7 @@ def run_loop(
                     evaluate(config, run, iteration + 1, engine, rewards)
             barrier()
             if info.is_main:
-                prune_finished(run, config.run.keep_trajectories)
+                apply_retention(run, config.run.keep_trajectories, config.run.keep_checkpoints)
                 lines = write_logs(run, iteration + 1)
                 latest = next(line for line in lines if line["iteration"] == iteration)
                 board.log(latest)

@@ -6,6 +6,7 @@ steps on each family's tiny pipeline, load the checkpoint the way a user does, a
 transformer's output and the noise-0 image with the policy that was trained.
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -217,3 +218,30 @@ def test_push_to_hub_uploads_the_exported_folder(make_run, tmp_path, monkeypatch
     assert sorted(p.name for p in (hub / "me/tiny-lora").iterdir()) == sorted(
         p.name for p in (tmp_path / "out").iterdir()
     )
+
+
+def test_a_run_starts_from_an_existing_lora(make_run, tmp_path):
+    config, run = make_run("train.lora_alpha=12", "train.lr=0.05")
+    _, trainer = do_iteration(config, run)
+    cond = trainer.policy.adapter.encode_prompts(PROMPTS, None, guidance_scale=GUIDANCE)
+    trained = velocities(trainer.policy.adapter, cond)
+    assert export(run, tmp_path / "lora").exit_code == 0
+    for source in (tmp_path / "lora", run.checkpoint_dir(0) / "pytorch_lora_weights.safetensors"):
+        other, other_run = make_run(
+            "train.lora_alpha=12", f"model.init_lora={source}", name=f"from-{source.name}"
+        )
+        policy = policy_for(other, other_run)
+        assert policy.version.startswith("init:")
+        assert (velocities(policy.adapter, cond) - trained).abs().max().item() < 1e-6
+        with policy.adapters_disabled():  # the KL reference is still the base model
+            base = velocities(policy.adapter, cond)
+        assert (base - trained).abs().max().item() > 1e-2
+    for overrides, message in [
+        (("train.lora_alpha=8",), "lora_alpha = 12, the policy's adapter has lora_alpha = 8"),
+        (("train.lora_alpha=12", "train.mode=full"), 'needs train.mode = "lora"'),
+        (("train.lora_alpha=12",), "does not exist"),
+    ]:
+        missing = tmp_path / "nothing" if message == "does not exist" else tmp_path / "lora"
+        bad, bad_run = make_run(*overrides, f"model.init_lora={missing}", name="bad")
+        with pytest.raises(FlowGrpoError, match=re.escape(message)):
+            policy_for(bad, bad_run)

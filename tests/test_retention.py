@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.metrics_log import read_log
 from flowgrpo_cli.store.retention import prune_finished, recover
 from flowgrpo_cli.store.rundir import (
     ROLLOUT,
@@ -119,3 +120,31 @@ def test_keep_trajectories_is_checked():
 
     with pytest.raises(FlowGrpoError, match=r"run\.keep_trajectories"):
         load_config(None, ["run.keep_trajectories=-2"])
+
+
+def test_kept_checkpoints_and_a_restart_that_redoes_iterations(make_run, tmp_path):
+    _, run = make_run("run.keep_checkpoints=2")
+    assert loop(run, "-n", "3").exit_code == 0
+    for iteration, pruned in [(0, True), (1, False), (2, False)]:
+        folder = run.checkpoint_dir(iteration)
+        manifest = verify_stage(folder)
+        assert ("pruned" in manifest) is pruned
+        names = {p.name for p in folder.iterdir()}
+        weights = {"manifest.json", "pytorch_lora_weights.safetensors", "optimizer.safetensors"}
+        assert names == {"manifest.json"} if pruned else names >= weights
+    assert run.current_iteration() == 3  # pruned checkpoints still count as finished
+    result = CliRunner().invoke(app, ["export", str(run.root), str(tmp_path / "x"), "-i", "0"])
+    assert result.exit_code == 1 and "run.keep_checkpoints" in result.output
+    result = loop(run, "-n", "3", "--restart-from", "1")
+    assert result.exit_code == 1 and "whose weights were deleted" in result.output
+    result = loop(run, "-n", "3", "--restart-from", "4")
+    assert result.exit_code == 1 and "finished iterations 0 to 2" in result.output
+
+    # Restarting from 2 deletes iteration 2 and redoes it: the same checkpoint, bytes and all.
+    weights = run.checkpoint_dir(2) / "pytorch_lora_weights.safetensors"
+    before = weights.read_bytes()
+    result = loop(run, "-n", "3", "--restart-from", "2")
+    assert result.exit_code == 0, result.output
+    assert "iteration 2 |" in result.output  # it ran again
+    assert weights.read_bytes() == before
+    assert [line["iteration"] for line in read_log(run)] == [0, 1, 2]

@@ -94,6 +94,13 @@ class RunSection:
         check=_at_least(-1),
         affects_results=False,
     )
+    keep_checkpoints: int = _option(
+        0,
+        "Keep the weights and optimizer state of the last K checkpoints; older ones keep "
+        "only their manifest. 0 = keep all.",
+        check=_at_least(0),
+        affects_results=False,
+    )
 
 
 @dataclass
@@ -130,6 +137,13 @@ class DataSection:
 @dataclass
 class ModelSection:
     path: str = _option("", "Base pipeline: a local diffusers folder or a hub id.", path="hub")
+    init_lora: str = _option(
+        "",
+        "Start from this trained LoRA (a checkpoint or export folder, or its .safetensors "
+        "file) instead of a fresh adapter; its rank and alpha must be train.lora_rank / "
+        "lora_alpha. The KL reference stays the base model.",
+        path="local",
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _option(
         "bfloat16", "Transformer precision, the same in rollout and update; step math is float32."
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import (
     MANIFEST,
     ROLLOUT,
@@ -36,6 +37,12 @@ from flowgrpo_cli.store.trajectory import ArrowPartWriter, iter_batches, open_pa
 PRUNED_COLUMNS = ("latents",)  # trajectory columns only the update reads
 _STAGING = ".pruning"
 _REPLACED = ".replaced"
+
+
+def apply_retention(run: RunDir, keep_trajectories: int, keep_checkpoints: int) -> Pruned:
+    """Both limits, after an update finished: the caller holds the run's lock."""
+    prune_checkpoints(run, keep_checkpoints)
+    return prune_finished(run, keep_trajectories)
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,68 @@ def prune_finished(run: RunDir, keep: int) -> Pruned:
         freed += _prune(folder, manifest)
         pruned.append(iteration)
     return Pruned(pruned, freed)
+
+
+def prune_checkpoints(run: RunDir, keep: int) -> list[int]:
+    """Delete the files of finished checkpoints older than the last `keep` (0: none), leaving
+    their manifest, marked pruned, so the iteration still counts as finished. The manifest is
+    rewritten first: a kill after it leaves files the next pass deletes."""
+    if keep <= 0:
+        return []
+    pruned = []
+    for iteration in range(max(0, run.current_iteration() - keep)):
+        folder = run.checkpoint_dir(iteration)
+        manifest = read_manifest(folder)
+        if manifest is None:
+            continue
+        if "pruned" not in manifest:
+            record = {"deleted_parts": [part["name"] for part in manifest["parts"]]}
+            atomic_write_json(folder / MANIFEST, {**manifest, "parts": [], "pruned": record})
+            pruned.append(iteration)
+        for path in sorted(folder.rglob("*"), reverse=True):  # files before their folders
+            if path == folder / MANIFEST:
+                continue
+            path.rmdir() if path.is_dir() else path.unlink()
+    return pruned
+
+
+def drop_iterations(run: RunDir, first: int) -> None:
+    """Delete iteration `first` and every later one (their stages, checkpoints, evaluations
+    and grids), so the loop redoes them; earlier iterations and the data stay.
+
+    Checkpoint `first`'s manifest goes first: from then on the run counts `first` as its
+    current iteration, and a kill midway leaves what a second call deletes.
+    """
+    finished = run.current_iteration()
+    if not 0 <= first <= finished:
+        raise FlowGrpoError(
+            f"--restart-from {first}: the run has finished iterations 0 to {finished - 1}; "
+            f"restart from one of them, or from {finished} (nothing to drop)"
+        )
+    if first > 0:
+        previous = run.checkpoint_dir(first - 1)
+        if "pruned" in (read_manifest(previous) or {}):
+            raise FlowGrpoError(
+                f"--restart-from {first}: iteration {first} starts from {previous}, whose "
+                "weights were deleted (run.keep_checkpoints); restart from a later iteration"
+            )
+    (run.checkpoint_dir(first) / MANIFEST).unlink(missing_ok=True)
+    doomed = [
+        *(p for p in run.root.glob("iter-*") if _number(p.name) >= first),
+        *(p for p in (run.root / "checkpoints").glob("iter-*") if _number(p.name) >= first),
+        *(p for p in (run.root / "eval").glob("iter-*") if _number(p.name) >= first),
+    ]
+    for path in doomed:
+        shutil.rmtree(path)
+    for grid in (run.root / "samples").glob("*iter-*.png"):
+        if _number(grid.stem.removeprefix("eval-")) >= first:
+            grid.unlink()
+
+
+def _number(name: str) -> int:
+    """N of `iter-N` (-1 for any other name: never dropped)."""
+    digits = name.removeprefix("iter-")
+    return int(digits) if name.startswith("iter-") and digits.isdigit() else -1
 
 
 def is_pruned(rollout_dir: Path) -> bool:

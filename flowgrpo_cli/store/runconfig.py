@@ -5,8 +5,9 @@ run's lock (`ResolvedRun.writing`): a command the lock refuses changes nothing, 
 fails before computing anything takes its config (and the folder it created) away again. Later
 commands read it back; if the user passes a config (or `--set` overrides) that differs in
 anything that changes results, the command is refused with a diff, unless `allow_change` is
-set, in which case the new config replaces the stored one (stage manifests record the config
-hash, so outputs of the old config are redone, not mixed).
+set, in which case the new config replaces the stored one: stage manifests record the config
+hash, so an unfinished stage of the old config is redone, not mixed, while finished iterations
+stay as they were computed (`flowgrpo loop --restart-from N` redoes them).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def resolve_run(
             raise FlowGrpoError(
                 f"{run.config_path} holds a different config; changed keys:\n  "
                 + "\n  ".join(changes)
-                + "\nPass --allow-config-change to replace it (stages redo their outputs)."
+                + "\nPass --allow-config-change to replace it (finished iterations stay as "
+                "they are; `flowgrpo loop --restart-from N` redoes them)."
             )
         if not changes and requested == stored:
             write = False

@@ -159,7 +159,29 @@ def load_policy(config: Config, device: torch.device) -> Policy:
                 parameter.data = parameter.data.float()
     else:
         transformer.requires_grad_(True)
-    return Policy(adapter=adapter, mode=config.train.mode, device=device, version="base")
+    policy = Policy(adapter=adapter, mode=config.train.mode, device=device, version="base")
+    if config.model.init_lora:
+        load_initial_lora(policy, Path(config.model.init_lora))
+    return policy
+
+
+def load_initial_lora(policy: Policy, source: Path) -> None:
+    """Start training from a trained LoRA (model.init_lora): the folder of a checkpoint or an
+    export, or its weights file. The policy's version names the file, so rollouts sampled
+    with it are told apart from the base's."""
+    if policy.mode != "lora":
+        raise FlowGrpoError(
+            'model.init_lora continues a trained LoRA: it needs train.mode = "lora"'
+        )
+    path = source / LORA_WEIGHTS if source.is_dir() else source
+    if not path.is_file():
+        raise FlowGrpoError(
+            f"model.init_lora: {path} does not exist (a folder holding {LORA_WEIGHTS}, such "
+            "as a checkpoint or a `flowgrpo export`, or that file)"
+        )
+    state = read_weights(policy, path)  # a LoRA of another rank or alpha is refused here
+    _load_lora_state(policy.transformer, state, path)
+    policy.version = f"init:{sha256_file(path)[:16]}"
 
 
 def checkpoint_for(run: RunDir, iteration: int) -> Path | None:
@@ -253,7 +275,9 @@ def load_weights(policy: Policy, checkpoint: Path, folder: str = "") -> None:
     policy and tag its version. Every file of the checkpoint (weights, EMA, anchor, optimizer
     and trainer state) is checked against its manifest first, so neither these weights nor a
     resumed optimizer is a silently altered one."""
-    if read_manifest(checkpoint) is not None:
+    manifest = read_manifest(checkpoint)
+    if manifest is not None:
+        require_weights(checkpoint, manifest)
         verify_stage(checkpoint)
     path = checkpoint / folder / weights_file(policy.mode)
     if not path.is_file():
@@ -267,6 +291,15 @@ def load_weights(policy: Policy, checkpoint: Path, folder: str = "") -> None:
     else:
         _load_full_state(policy.transformer, state, path)
     policy.version = checkpoint_version(checkpoint, policy.mode, folder)
+
+
+def require_weights(checkpoint: Path, manifest: dict) -> None:
+    """Refuse a checkpoint whose weights run.keep_checkpoints deleted, saying so."""
+    if "pruned" in manifest:
+        raise FlowGrpoError(
+            f"{checkpoint}: its weights were deleted to save disk (run.keep_checkpoints keeps "
+            "the last K checkpoints)"
+        )
 
 
 def _load_lora_state(transformer: torch.nn.Module, state: dict, path: Path) -> None:
