@@ -17,11 +17,12 @@ from flowgrpo_cli.launch.distributed import barrier, dist_info, init_process_gro
 from flowgrpo_cli.launch.ray_cluster import pool_scorer_in_rank
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.reporting.trackers import active_trackers, open_trackers, track
 from flowgrpo_cli.stages.evaluate import evaluate
 from flowgrpo_cli.stages.rollout import latent_bytes_per_iteration
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest
-from flowgrpo_cli.store.metrics_log import TensorBoard, read_log, rebuild
+from flowgrpo_cli.store.metrics_log import read_log, rebuild
 from flowgrpo_cli.store.retention import apply_retention
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, atomic_write_bytes, read_manifest
 from flowgrpo_cli.store.trajectory import iter_batches, read_table
@@ -54,6 +55,7 @@ def run_loop(
 
     progress = progress or NullProgress()
     info = dist_info()
+    tracked = active_trackers(config.log.trackers) if info.is_main else []  # before any work
     device = resolve_device(config.model.device)
     init_process_group(device)
     if read_manifest(run.data_dir) is None:
@@ -69,12 +71,14 @@ def run_loop(
     if start > 0:
         trainer.load(run.checkpoint_dir(start - 1))
     engine = build_engine(config, policy)
-    board = TensorBoard(run) if info.is_main else None
     if info.is_main and on_note is not None and start < iterations:
         on_note(disk_note(config, policy.adapter.latent_shape(config.model.height,
                                                               config.model.width)))  # fmt: skip
     summaries = []
-    with build_rewards_from_config(config.reward) as rewards:
+    with (
+        build_rewards_from_config(config.reward) as rewards,
+        open_trackers(config, run, tracked) as trackers,
+    ):
         if _eval_due(config, start, iterations):
             with trainer.ema_weights():
                 evaluate(config, run, start, engine, rewards)
@@ -96,26 +100,25 @@ def run_loop(
                 apply_retention(run, config.run.keep_trajectories, config.run.keep_checkpoints)
                 lines = write_logs(run, iteration + 1)
                 latest = next(line for line in lines if line["iteration"] == iteration)
-                board.log(latest)
+                track(trackers, run, latest)
                 summary = IterationSummary(iteration, latest, time.perf_counter() - started)
                 summaries.append(summary)
                 if on_iteration is not None:
                     on_iteration(summary)
-    if info.is_main:
-        _report_final_evaluation(run, iterations, board, on_note)
-    if board is not None:
-        board.close()
+        if info.is_main:
+            fresh = start < iterations or iterations == 0  # else the trackers have it already
+            _report_final_evaluation(run, iterations, trackers if fresh else [], on_note)
     return summaries
 
 
-def _report_final_evaluation(run: RunDir, iterations: int, board, on_note) -> None:
+def _report_final_evaluation(run: RunDir, iterations: int, trackers, on_note) -> None:
     """The evaluation after the last iteration (of the base, for -n 0): no iteration's line
     carries it, so it is logged and shown here."""
     final = next((line for line in read_log(run) if line["iteration"] == iterations), {})
     evals = {k: v for k, v in final.items() if k.startswith("eval/")}
     if not evals:
         return
-    board.log({"iteration": iterations, **evals})
+    track(trackers, run, {"iteration": iterations, **evals})
     if on_note is not None:
         what = "the base model" if iterations == 0 else f"the policy after {iterations} iterations"
         shown = sorted((k for k in evals if k.endswith(("_mean", "_exact"))),

@@ -149,4 +149,4 @@ def _metrics(table: pa.Table, seconds: float) -> dict[str, float]:
 def _write_grid(run: RunDir, iteration: int, table: pa.Table) -> None:
     rows = table.slice(0, GRID_IMAGES).to_pylist()
     items = [GridItem(r["image"], r["prompt"], r["ground_truth"], r["reward"]) for r in rows]
-    atomic_write_bytes(run.root / "samples" / f"eval-iter-{iteration:06d}.png", make_grid(items))
+    atomic_write_bytes(run.eval_samples_path(iteration), make_grid(items))

@@ -398,6 +398,27 @@ class DistributedSection:
     )
 
 
+def _trackers(names: list[str]) -> str | None:
+    known = ("tensorboard", "wandb", "trackio")
+    unknown = [name for name in names if name not in known]
+    return f"names unknown trackers {unknown}; choose from {list(known)}" if unknown else None
+
+
+@dataclass
+class LogSection:
+    trackers: list[str] = _option(
+        ["tensorboard"],
+        "Experiment trackers fed each iteration's metrics and grids and the config: "
+        "tensorboard (skipped when not installed), wandb, trackio (each an extra).",
+        check=_trackers,
+        affects_results=False,
+    )
+    project: str = _option("flowgrpo", "Project name in W&B and trackio.", affects_results=False)
+    name: str = _option(
+        "", "Run name in the trackers; empty = the run folder's name.", affects_results=False
+    )
+
+
 @dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
@@ -409,6 +430,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
     distributed: DistributedSection = field(default_factory=DistributedSection)
+    log: LogSection = field(default_factory=LogSection)
 
 
 # ---------------------------------------------------------------------------------------------

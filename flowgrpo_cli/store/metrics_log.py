@@ -1,8 +1,8 @@
 """RUN/metrics.jsonl, one line per iteration, rebuilt from the stage folders.
 
 Every stage writes its own metrics.json next to its manifest; the log is derived from them, so
-a resumed run never duplicates or loses a line. TensorBoard event files are written too when
-the `tensorboard` package is installed (the `tensorboard` extra).
+a resumed run never duplicates or loses a line. The experiment trackers are fed from it
+(reporting.trackers).
 """
 
 from __future__ import annotations
@@ -34,31 +34,3 @@ def read_log(run: RunDir) -> list[dict[str, Any]]:
     if not run.metrics_path.is_file():
         return []
     return [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line]
-
-
-class TensorBoard:
-    """Scalars per iteration under RUN/tensorboard, when tensorboard is importable."""
-
-    def __init__(self, run: RunDir):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # the optional extra is not installed
-            self._writer = None
-            return
-        self._writer = SummaryWriter(log_dir=str(run.root / "tensorboard"))
-
-    @property
-    def enabled(self) -> bool:
-        return self._writer is not None
-
-    def log(self, line: dict[str, Any]) -> None:
-        if self._writer is None:
-            return
-        for key, value in line.items():
-            if key != "iteration" and isinstance(value, int | float):
-                self._writer.add_scalar(key, value, global_step=line["iteration"])
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()

@@ -92,6 +92,10 @@ class RunDir:
     def samples_path(self, iteration: int) -> Path:
         return self.root / "samples" / f"iter-{iteration:06d}.png"
 
+    def eval_samples_path(self, iteration: int) -> Path:
+        """The grid of the evaluation of the policy iteration `iteration` starts from."""
+        return self.root / "samples" / f"eval-iter-{iteration:06d}.png"
+
     def current_iteration(self) -> int:
         """The first iteration whose update has not finished (its checkpoint has no manifest)."""
         iteration = 0
