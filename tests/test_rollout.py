@@ -1,6 +1,7 @@
 """Rollout: trajectories on disk, equal to the pipeline at noise 0, reproducible log-probs."""
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -252,3 +253,24 @@ def test_merge_lora_refuses_what_it_cannot_merge(make_run, overrides, message):
     policy = policy_for(config, run)
     with pytest.raises(FlowGrpoError, match=message):
         engine_for(policy, config)
+
+
+def test_parts_open_in_hugging_face_datasets(make_run):
+    """The README's one line: a rollout part as a `datasets.Dataset`, latents included."""
+    datasets = pytest.importorskip("datasets")
+    import pyarrow as pa
+
+    from flowgrpo_cli.store.trajectory import plain_columns
+
+    config, run = make_run()
+    do_rollout(config, run)
+    part = run.stage_dir(0, ROLLOUT) / "part-00000-of-00001.arrow"
+    table = pa.ipc.open_file(part).read_all()
+    with pytest.raises(ValueError, match="does not have a datasets dtype"):
+        datasets.Dataset(table)  # why the helper exists
+    dataset = datasets.Dataset(plain_columns(table))
+    assert dataset.num_rows == 4 and dataset[0]["sample_id"] == table["sample_id"][0].as_py()
+    latents = np.asarray(dataset.with_format("numpy")["latents"])
+    shape = json.loads(plain_columns(table).schema.field("latents").metadata[b"shape"])
+    expected = table["latents"].combine_chunks().to_numpy_ndarray()
+    np.testing.assert_array_equal(latents.reshape(-1, *shape), expected)

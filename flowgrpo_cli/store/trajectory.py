@@ -13,6 +13,7 @@ latents in memory.
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,6 +192,22 @@ def iter_batches(
         for index in range(reader.num_record_batches):
             batch = reader.get_batch(index)
             yield batch.select(list(columns)) if columns is not None else batch
+
+
+def plain_columns(table: pa.Table) -> pa.Table:
+    """The table with each fixed-shape tensor column (`latents`) as the flat fixed-size list it
+    is stored as, its shape kept in the field's metadata: what Hugging Face `datasets` reads
+    (it has no type for Arrow's tensor extension): `datasets.Dataset(plain_columns(table))`."""
+    for index, field in enumerate(table.schema):
+        if isinstance(field.type, pa.FixedShapeTensorType):
+            storage = pa.chunked_array(
+                [chunk.storage for chunk in table.column(index).chunks],
+                type=field.type.storage_type,
+            )
+            shape = {b"shape": json.dumps(list(field.type.shape)).encode()}
+            plain = pa.field(field.name, field.type.storage_type, metadata=shape)
+            table = table.set_column(index, plain, storage)
+    return table
 
 
 def read_table(paths: Sequence[Path], columns: Sequence[str] | None = None) -> pa.Table:
