@@ -77,7 +77,7 @@ def open_trackers(config: Config, run: RunDir, names: list[str]) -> Iterator[lis
     """The trackers `names` (from active_trackers), given the config, closed on the way out."""
     name = config.log.name or run.root.name
     params = hyperparameters(config)
-    builders = {"tensorboard": _TensorBoard, "wandb": _Wandb, "trackio": _Trackio}
+    builders = {"tensorboard": _TensorBoard, "wandb": _wandb, "trackio": _trackio}
     trackers: list[Tracker] = []
     try:
         for tracker in names:
@@ -127,39 +127,36 @@ class _TensorBoard:
         self._writer.close()
 
 
-class _Wandb:
-    def __init__(self, run: RunDir, project: str, name: str, params: dict[str, Any]):
-        import wandb
+class _HostedRun:
+    """W&B and trackio, which share their calls: init, Image, Run.log(step=), Run.finish."""
 
-        # One W&B run per run folder: a resumed loop continues it rather than starting another.
-        run_id = hashlib.sha256(str(run.root).encode()).hexdigest()[:16]
-        self._wandb = wandb
-        self._run = wandb.init(
-            project=project, name=name, id=run_id, resume="allow", config=params,
-            dir=str(run.root),
-        )  # fmt: skip
+    def __init__(self, module: Any, **init: Any):
+        self._module = module
+        self._run = module.init(**init)
 
     def log(self, step: int, metrics: dict[str, float], images: dict[str, Path]) -> None:
-        media = {key: self._wandb.Image(str(path)) for key, path in images.items()}
+        media = {key: self._module.Image(str(path)) for key, path in images.items()}
         self._run.log({**metrics, **media}, step=step)
 
     def close(self) -> None:
         self._run.finish()
 
 
-class _Trackio:
-    def __init__(self, run: RunDir, project: str, name: str, params: dict[str, Any]):
-        import trackio
+def _wandb(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Tracker:
+    import wandb
 
-        self._trackio = trackio
-        self._run = trackio.init(
-            project=project, name=name, config=params, resume="allow", embed=False,
-            auto_log_cpu=False, auto_log_gpu=False,
-        )  # fmt: skip
+    # One W&B run per run folder: a resumed loop continues it rather than starting another.
+    run_id = hashlib.sha256(str(run.root).encode()).hexdigest()[:16]
+    return _HostedRun(
+        wandb, project=project, name=name, id=run_id, resume="allow", config=params,
+        dir=str(run.root),
+    )  # fmt: skip
 
-    def log(self, step: int, metrics: dict[str, float], images: dict[str, Path]) -> None:
-        media = {key: self._trackio.Image(str(path)) for key, path in images.items()}
-        self._run.log({**metrics, **media}, step=step)
 
-    def close(self) -> None:
-        self._run.finish()
+def _trackio(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Tracker:
+    import trackio
+
+    return _HostedRun(
+        trackio, project=project, name=name, config=params, resume="allow", embed=False,
+        auto_log_cpu=False, auto_log_gpu=False,
+    )  # fmt: skip
