@@ -13,9 +13,12 @@ EVAL = ("eval.every=1", "eval.num_steps=2", "eval.num_prompts=2")
 
 
 def test_every_tracker_gets_every_iteration_with_its_grids(make_run, tmp_path, monkeypatch):
-    pytest.importorskip("trackio")
+    # trackio reads TRACKIO_DIR once, when first imported: set it first, then check it held.
+    store = tmp_path / "trackio"
+    monkeypatch.setenv("TRACKIO_DIR", str(store))
+    trackio = pytest.importorskip("trackio")
+    assert store == trackio.utils.TRACKIO_DIR, "trackio was imported earlier"
     pytest.importorskip("wandb")
-    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # not under ~
