@@ -566,7 +566,6 @@ def export(
     from flowgrpo_cli.export import export_checkpoint
     from flowgrpo_cli.export import push_to_hub as upload
     from flowgrpo_cli.store.runconfig import resolve_run
-    from flowgrpo_cli.store.rundir import RunLock
 
     if not (run / "config.toml").is_file():
         raise FlowGrpoError(f"{run} is not a run directory (it has no config.toml)")
@@ -580,11 +579,12 @@ def export(
             command.append(flag)
         elif value not in (None, False):
             command += [flag, str(value)]
-    with RunLock(resolved.run.root):  # no update rewrites the checkpoint while it is read
-        done = export_checkpoint(
-            resolved.config, resolved.run, out, iteration=iteration, ema=ema, merged=merged,
-            dtype=dtype, command=shlex.join(command),
-        )  # fmt: skip
+    # No lock: a finished checkpoint is never rewritten, so a run can be exported while it
+    # trains (the copy is checked against the checkpoint's manifest).
+    done = export_checkpoint(
+        resolved.config, resolved.run, out, iteration=iteration, ema=ema, merged=merged,
+        dtype=dtype, command=shlex.join(command),
+    )  # fmt: skip
     kind = "pipeline" if done.merged else "LoRA"
     console.print(
         f"{kind} of iteration {done.iteration} ({done.weights} weights) -> {done.folder}",

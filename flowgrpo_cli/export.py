@@ -5,7 +5,8 @@ the checkpoint already holds, with rank and alpha in its metadata); `merged` exp
 pipeline folder with the weights fused in, which `DiffusionPipeline.from_pretrained` loads with
 no LoRA step; a full fine-tuning run always exports the whole pipeline (it has no adapter).
 Both carry a model card (README.md) and the run's config. The folder is written beside OUT and
-renamed into place at the end, so a failed or killed export leaves no half-written model.
+renamed into place at the end, so a failed or killed export leaves no half-written model. It
+takes no lock (finished checkpoints are never rewritten), so a run exports while it trains.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.config import Config
-from flowgrpo_cli.store.rundir import RunDir, read_manifest, verify_stage
+from flowgrpo_cli.store.rundir import RunDir, read_manifest, sha256_file, verify_stage
 
 CONFIG_COPY = "flowgrpo_config.toml"
 
@@ -48,7 +49,8 @@ def export_checkpoint(
 
     number = _checkpoint_iteration(run, iteration)
     checkpoint = run.checkpoint_dir(number)
-    require_weights(checkpoint, verify_stage(checkpoint))  # as the update wrote them
+    manifest = verify_stage(checkpoint)  # the weights are the ones the update wrote
+    require_weights(checkpoint, manifest)
     source = checkpoint / EMA_FOLDER if ema else checkpoint
     weights = source / weights_file(config.train.mode)
     if not weights.is_file():
@@ -67,6 +69,7 @@ def export_checkpoint(
             _write_pipeline(config, weights, staging, dtype)
         else:
             shutil.copyfile(weights, staging / weights.name)
+            _check_copy(staging / weights.name, manifest, weights.relative_to(checkpoint))
         shutil.copyfile(run.config_path, staging / CONFIG_COPY)
         card = model_card(config, run, number, ema=ema, merged=merged, command=command)
         (staging / "README.md").write_text(card)
@@ -92,6 +95,14 @@ def _checkpoint_iteration(run: RunDir, iteration: int | None) -> int:
             f"unfinished; finished checkpoints are iterations 0 to {done - 1}"
         )
     return iteration
+
+
+def _check_copy(copy: Path, manifest: dict[str, Any], name: Path) -> None:
+    """The copy is the file the manifest records: export takes no lock, and a checkpoint
+    pruned (run.keep_checkpoints) while it was copied must not pass for a good one."""
+    recorded = next(part["sha256"] for part in manifest["parts"] if part["name"] == str(name))
+    if sha256_file(copy) != recorded:
+        raise FlowGrpoError(f"{copy}: not the checkpoint's {name} (changed while copied); retry")
 
 
 def _check_new_folder(out: Path) -> None:
