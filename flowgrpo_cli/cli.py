@@ -499,6 +499,46 @@ def reward(
     render_reward_table(console, images, result)
 
 
+@app.command("serve-reward")
+@user_errors
+def serve_reward(
+    reward_: Annotated[
+        list[str],
+        typer.Option(
+            "--reward",
+            help="Reward to serve (repeatable; NAME or NAME=WEIGHT, a built-in or "
+            "module:function); the reply is the weighted total.",
+        ),
+    ],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port; 0 picks a free one (printed).")] = 8000,
+    ocr_workers: Annotated[int, typer.Option(help="OCR worker processes.")] = 1,
+    plugin_dir: Annotated[
+        list[Path] | None,
+        typer.Option("--plugin-dir", help="Folder searched for plugins (repeatable)."),
+    ] = None,
+) -> None:
+    """Serve rewards over HTTP in the `remote` reward's wire format: POST /score, GET /health."""
+    from flowgrpo_cli.rewards import build_rewards
+    from flowgrpo_cli.rewards.imports import add_plugin_dirs
+    from flowgrpo_cli.rewards.server import serve
+
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        raise FlowGrpoError(
+            "serve-reward needs the `serve` extra: pip install 'flowgrpo[serve]'"
+        ) from None
+    add_plugin_dirs([str(folder.absolute()) for folder in plugin_dir or []])
+    weights = _reward_weights(reward_)
+    with build_rewards(weights, ocr_workers=ocr_workers) as rewards:
+        serve(
+            rewards, host, port,
+            on_ready=lambda url: print(f"serving {', '.join(weights)} at {url}", flush=True),
+        )  # fmt: skip
+
+
 def _reward_weights(items: list[str]) -> dict[str, float]:
     weights = {}
     for item in items:

@@ -1,0 +1,159 @@
+"""`flowgrpo serve-reward` end to end: the `remote` reward talking to a served reward."""
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rewards import RemoteOptions, RewardBatch, build_rewards
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
+# A plugin that misbehaves on request: the prompt "broken" returns no scores (a bug: the
+# whole batch fails), "slow" takes 3 s; any other prompt gets the image's brightness.
+MOODY = """
+import time
+from brightness import score as brightness
+
+def score(images, prompts, metadata):
+    if prompts[0] == "slow":
+        time.sleep(3)
+    if prompts[0] == "broken":
+        return []
+    return brightness(images, prompts, metadata)
+"""
+
+
+def batch(prompt: str = "a sign") -> RewardBatch:
+    images = [Image.new("RGB", (48, 48), (level, 90, 200)) for level in (0, 80, 160, 240)]
+    metadata = [{"sample_id": f"s{i}", "group_id": 0} for i in range(len(images))]
+    return RewardBatch(images, [prompt] * len(images), ["OPEN"] * len(images), metadata)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The server with jpeg_compressibility + 0.5 x the moody plugin + 0.1 x OCR (in a worker
+    process, so that stopping cleanly means something); its URL and process."""
+    plugins = tmp_path_factory.mktemp("plugins")
+    (plugins / "rw_moody.py").write_text(textwrap.dedent(MOODY))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_cli", "serve-reward", "--port", "0",
+         "--reward", "jpeg_compressibility", "--reward", "rw_moody:score=0.5",
+         "--reward", "ocr=0.1", "--ocr-workers", "2",
+         "--plugin-dir", str(plugins), "--plugin-dir", str(EXAMPLES)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    line = process.stdout.readline()
+    assert "serving" in line, line + process.stderr.read()
+    url = line.split(" at ")[-1].strip()
+    _get(url, "/health")  # answering: its signal handlers are in place
+    yield url, process, plugins
+    if process.poll() is None:
+        process.kill()
+
+
+def _get(url: str, path: str) -> dict:
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    connection.request("GET", path)
+    return json.loads(connection.getresponse().read())
+
+
+def remote(url: str, **options):
+    return build_rewards({"remote": 1.0}, remote=RemoteOptions(url=url, **options))
+
+
+def test_served_scores_equal_the_in_process_rewards(server, monkeypatch):
+    url, _, plugins = server
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.syspath_prepend(str(plugins))
+    served = {"jpeg_compressibility": 1.0, "rw_moody:score": 0.5, "ocr": 0.1}
+    with build_rewards(served) as local:
+        expected = local.score(batch()).reward
+    assert all(value is not None for value in expected)
+    with remote(url, batch_size=3) as rewards:  # two requests: 3 images, then 1
+        assert rewards.score(batch()).reward == expected
+    assert _get(url, "/health") == {"status": "ok", "rewards": served}
+
+
+def test_server_errors_reach_the_remote_reward_as_documented(server):
+    url, _, _ = server
+    with remote(url, max_retries=1, backoff_s=0) as rewards, pytest.raises(FlowGrpoError) as err:
+        rewards.score(batch("broken"))  # a bug in a served reward: HTTP 500, retried, reported
+    assert "no reply after 2 attempt" in str(err.value) and "HTTP 500" in str(err.value)
+    assert "rw_moody:score" in str(err.value)
+    with remote(url, max_retries=0, timeout_s=0.5) as rewards, pytest.raises(FlowGrpoError) as err:
+        rewards.score(batch("slow"))
+    assert "no reply after 1 attempt" in str(err.value) and "0.5 s" in str(err.value)
+    # A malformed request: HTTP 400 saying what is wrong.
+    parts = urllib.parse.urlsplit(url)
+    for body, problem in [
+        (b"not json", "the body is not JSON"),
+        (b'{"images": ["abc"]}', "images[0] is not a base64-encoded image"),
+        (b'{"images": []}', "`images` must be a non-empty list"),
+    ]:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+        connection.request("POST", "/score", body, {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        assert reply.status == 400 and problem in json.loads(reply.read())["error"]
+
+
+def test_the_server_stops_cleanly(server):
+    _, process, _ = server
+    workers = _children(process.pid)
+    assert len(workers) >= 2  # the OCR pool's workers, started by the first batch
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0, process.stderr.read()
+    # None left running. multiprocessing's resource tracker ends just after the server, as
+    # in any Python program, and stays a zombie where the container's init reaps no one.
+    deadline = time.monotonic() + 10  # the tracker notices its parent is gone within moments
+    while (left := _running(workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == {}
+
+
+def _running(pids: list[str]) -> dict[str, str]:
+    commands = {pid: _command(pid) for pid in pids}
+    return {pid: c for pid, c in commands.items() if c != "gone" and not c.startswith("Z")}
+
+
+def _command(pid: str) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return stat + " " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "gone"
+
+
+def _children(parent: int) -> list[str]:
+    return [pid for pid in os.listdir("/proc") if pid.isdigit() and _parent(pid) == parent]
+
+
+def test_without_the_extra_the_error_names_it(monkeypatch):
+    from typer.testing import CliRunner
+
+    from flowgrpo_cli.cli import app
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    result = CliRunner().invoke(app, ["serve-reward", "--reward", "jpeg_compressibility"])
+    assert result.exit_code == 1 and "pip install 'flowgrpo[serve]'" in result.output
+
+
+def _parent(pid: str) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
