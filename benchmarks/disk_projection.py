@@ -99,6 +99,7 @@ def measure(workdir: Path) -> dict[str, float]:
 
 def project(measured: dict[str, float]) -> list[tuple[str, str, str]]:
     """(what, per iteration, 1,000 iterations) rows for the README."""
+    from flowgrpo_cli.reporting.render import format_bytes
     from flowgrpo_cli.store.config import load_config
 
     config = load_config(EXAMPLE)
@@ -118,21 +119,14 @@ def project(measured: dict[str, float]) -> list[tuple[str, str, str]]:
     trajectories = latents + conditioning
     keep = 2  # the default run.keep_trajectories; +1 for the iteration in progress
     return [
-        ("trajectory latents", _size(latents), _size(latents * ITERATIONS)),
-        ("text conditioning", _size(conditioning), _size(conditioning * ITERATIONS)),
-        ("images, scores, the rest", _size(kept), _size(kept * ITERATIONS)),
-        ("total, keep_trajectories = -1 (keep all)", _size(trajectories + kept),
-         _size((trajectories + kept) * ITERATIONS)),
+        ("trajectory latents", format_bytes(latents), format_bytes(latents * ITERATIONS)),
+        ("text conditioning", format_bytes(conditioning), format_bytes(conditioning * ITERATIONS)),
+        ("images, scores, the rest", format_bytes(kept), format_bytes(kept * ITERATIONS)),
+        ("total, keep_trajectories = -1 (keep all)", format_bytes(trajectories + kept),
+         format_bytes((trajectories + kept) * ITERATIONS)),
         (f"total, keep_trajectories = {keep} (the default)", "",
-         _size(trajectories * (keep + 1) + kept * ITERATIONS)),
+         format_bytes(trajectories * (keep + 1) + kept * ITERATIONS)),
     ]  # fmt: skip
-
-
-def _size(count: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count:.0f} B"
 
 
 def main() -> int:

@@ -17,6 +17,7 @@ from flowgrpo_cli.launch.distributed import barrier, dist_info, init_process_gro
 from flowgrpo_cli.launch.ray_cluster import pool_scorer_in_rank
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.reporting.render import format_bytes
 from flowgrpo_cli.reporting.trackers import active_trackers, open_trackers, track
 from flowgrpo_cli.stages.evaluate import evaluate
 from flowgrpo_cli.stages.rollout import latent_bytes_per_iteration
@@ -132,18 +133,13 @@ def disk_note(config: Config, latent_shape: tuple[int, ...]) -> str:
     per_iteration = latent_bytes_per_iteration(config, latent_shape)
     keep = config.run.keep_trajectories
     # at most the kept iterations plus the one in progress
-    kept = "all kept" if keep < 0 else f"at most {_size(per_iteration * (keep + 1))} at a time"
+    kept = (
+        "all kept" if keep < 0 else f"at most {format_bytes(per_iteration * (keep + 1))} at a time"
+    )
     return (
-        f"disk: trajectory latents {_size(per_iteration)} per iteration, {kept} "
+        f"disk: trajectory latents {format_bytes(per_iteration)} per iteration, {kept} "
         f"(run.keep_trajectories = {keep})"
     )
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
 
 
 def _eval_due(config: Config, iteration: int, iterations: int) -> bool:

@@ -106,3 +106,11 @@ def render_iteration(console: Console, summary: Any) -> None:
     evals = {k: v for k, v in m.items() if k.startswith("eval/") and k.endswith("_mean")}
     parts += [f"{k} {v:.4g}" for k, v in sorted(evals.items())]
     console.print(" | ".join(parts), highlight=False)
+
+
+def format_bytes(count: float) -> str:
+    """A size in decimal units: 3.3 GB, 65.5 kB, 619 B."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count:.0f} B"

@@ -24,6 +24,8 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import (
+    CHECKPOINT,
+    EVAL,
     MANIFEST,
     ROLLOUT,
     RunDir,
@@ -115,8 +117,8 @@ def drop_iterations(run: RunDir, first: int) -> None:
     (run.checkpoint_dir(first) / MANIFEST).unlink(missing_ok=True)
     doomed = [
         *(p for p in run.root.glob("iter-*") if _number(p.name) >= first),
-        *(p for p in (run.root / "checkpoints").glob("iter-*") if _number(p.name) >= first),
-        *(p for p in (run.root / "eval").glob("iter-*") if _number(p.name) >= first),
+        *(p for p in (run.root / CHECKPOINT.folder).glob("iter-*") if _number(p.name) >= first),
+        *(p for p in (run.root / EVAL.folder).glob("iter-*") if _number(p.name) >= first),
     ]
     for path in doomed:
         shutil.rmtree(path)
@@ -129,11 +131,6 @@ def _number(name: str) -> int:
     """N of `iter-N` (-1 for any other name: never dropped)."""
     digits = name.removeprefix("iter-")
     return int(digits) if name.startswith("iter-") and digits.isdigit() else -1
-
-
-def is_pruned(rollout_dir: Path) -> bool:
-    manifest = read_manifest(rollout_dir)
-    return manifest is not None and "pruned" in manifest
 
 
 def recover(folder: Path) -> None:
