@@ -89,6 +89,11 @@ overfit iterations="30": setup
 disk-projection: setup
     {{python}} -m benchmarks.disk_projection
 
+# Weights memory of the model rewards (pickscore, clipscore, aesthetic), counted from their
+# released architectures on the meta device (README, "Model rewards").
+reward-memory: setup
+    {{python}} -m benchmarks.reward_memory
+
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
 bench *ARGS: setup

@@ -469,6 +469,28 @@ def loop(
     _run_ranks(resolved, nproc, body, ray_address, first=drop)
 
 
+RewardOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--reward",
+        help="Reward (repeatable; NAME or NAME=WEIGHT, a built-in or module:function); "
+        "default: the config's [reward] weights (ocr without a config).",
+    ),
+]
+RewardConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Run config (TOML) whose [reward] tables set the rewards: models, device, "
+        "dtype, OCR workers, remote URL, plugin folders, and weights without --reward.",
+    ),
+]
+OcrWorkersOpt = Annotated[
+    int | None, typer.Option(help="OCR worker processes (default: the config's, else 1).")
+]
+
+
 @app.command()
 @user_errors
 def reward(
@@ -480,47 +502,38 @@ def reward(
             "image."
         ),
     ],
-    reward_: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--reward", help="Reward name (repeatable; NAME or NAME=WEIGHT); default ocr."
-        ),
-    ] = None,
-    ocr_workers: Annotated[int, typer.Option(help="OCR worker processes.")] = 1,
+    reward_: RewardOpt = None,
+    config: RewardConfigOpt = None,
+    set_: SetOpt = None,
+    ocr_workers: OcrWorkersOpt = None,
     url: Annotated[str | None, typer.Option(help="URL of the `remote` reward.")] = None,
 ) -> None:
     """Score image files against a prompt: check a reward before training on it."""
-    from flowgrpo_cli.rewards import RemoteOptions, score_image_files
+    from flowgrpo_cli.rewards import score_image_files
 
-    weights = _reward_weights(reward_ or ["ocr"])
+    section = _reward_section(config, set_, reward_, ocr_workers, url=url)
     prompts = prompt * len(images) if len(prompt) == 1 else prompt
-    remote = RemoteOptions(url=url) if url else None
-    result = score_image_files(images, prompts, weights, ocr_workers=ocr_workers, remote=remote)
+    result = score_image_files(images, prompts, section)
     render_reward_table(console, images, result)
 
 
 @app.command("serve-reward")
 @user_errors
 def serve_reward(
-    reward_: Annotated[
-        list[str],
-        typer.Option(
-            "--reward",
-            help="Reward to serve (repeatable; NAME or NAME=WEIGHT, a built-in or "
-            "module:function); the reply is the weighted total.",
-        ),
-    ],
+    reward_: RewardOpt = None,
+    config: RewardConfigOpt = None,
+    set_: SetOpt = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port; 0 picks a free one (printed).")] = 8000,
-    ocr_workers: Annotated[int, typer.Option(help="OCR worker processes.")] = 1,
+    ocr_workers: OcrWorkersOpt = None,
     plugin_dir: Annotated[
         list[Path] | None,
         typer.Option("--plugin-dir", help="Folder searched for plugins (repeatable)."),
     ] = None,
 ) -> None:
-    """Serve rewards over HTTP in the `remote` reward's wire format: POST /score, GET /health."""
-    from flowgrpo_cli.rewards import build_rewards
-    from flowgrpo_cli.rewards.imports import add_plugin_dirs
+    """Serve rewards over HTTP in the `remote` reward's wire format: POST /score, GET /health.
+    The reply is the weighted total of the rewards."""
+    from flowgrpo_cli.rewards import build_rewards_from_config
     from flowgrpo_cli.rewards.server import serve
 
     try:
@@ -530,13 +543,46 @@ def serve_reward(
         raise FlowGrpoError(
             "serve-reward needs the `serve` extra: pip install 'flowgrpo[serve]'"
         ) from None
-    add_plugin_dirs([str(folder.absolute()) for folder in plugin_dir or []])
-    weights = _reward_weights(reward_)
-    with build_rewards(weights, ocr_workers=ocr_workers) as rewards:
+    section = _reward_section(config, set_, reward_, ocr_workers, plugin_dirs=plugin_dir)
+    with build_rewards_from_config(section) as rewards:
         serve(
             rewards, host, port,
-            on_ready=lambda url: print(f"serving {', '.join(weights)} at {url}", flush=True),
+            on_ready=lambda url: print(
+                f"serving {', '.join(section.weights)} at {url}", flush=True
+            ),
         )  # fmt: skip
+
+
+def _reward_section(
+    config: Path | None,
+    overrides: list[str] | None,
+    rewards: list[str] | None,
+    ocr_workers: int | None,
+    *,
+    url: str | None = None,
+    plugin_dirs: list[Path] | None = None,
+):
+    """The config's [reward] table with the command line's rewards and options on top."""
+    import dataclasses
+
+    from flowgrpo_cli.store.config import load_config
+
+    section = load_config(config, overrides or []).reward
+    changes: dict[str, Any] = {}
+    if rewards:
+        changes["weights"] = _reward_weights(rewards)
+    if ocr_workers is not None:
+        if ocr_workers < 1:
+            raise FlowGrpoError(f"--ocr-workers {ocr_workers}: must be >= 1")
+        changes["ocr_workers"] = ocr_workers
+    if url:
+        changes["remote"] = dataclasses.replace(section.remote, url=url)
+    if plugin_dirs:
+        changes["plugin_dirs"] = [
+            *(str(folder.absolute()) for folder in plugin_dirs),
+            *section.plugin_dirs,
+        ]
+    return dataclasses.replace(section, **changes)
 
 
 def _reward_weights(items: list[str]) -> dict[str, float]:

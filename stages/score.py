@@ -13,8 +13,10 @@ ranks: it calls `score_part` for each, wherever it runs.
 from __future__ import annotations
 
 import io
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pyarrow as pa
 
@@ -24,8 +26,10 @@ from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, StageWriter, manifest_hash
-from flowgrpo_cli.store.trajectory import iter_batches, read_table, write_table
+from flowgrpo_cli.store.trajectory import iter_batches, open_part, read_table, write_table
 
+# Schema metadata key of a score part: what scored it (RewardSet.info), as JSON.
+REWARD_INFO = "flowgrpo.rewards"
 _READ_COLUMNS = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
 # Scores the named rollout parts (each with `score_part`) and returns the number of images.
 PartsScorer = Callable[[list[str], Progress], int]
@@ -47,7 +51,7 @@ def _reward_batches(path, progress: Progress):
         progress.advance(len(rows))  # the batch was scored before the generator resumes
 
 
-def _score_table(scored, sample_ids: list[str]) -> pa.Table:
+def _score_table(scored, sample_ids: list[str], reward_info: dict) -> pa.Table:
     result, keep = scored.result, scored.outcome.keep
     columns: dict[str, pa.Array] = {"sample_id": pa.array(sample_ids, pa.string())}
     for name in result.names:
@@ -56,7 +60,7 @@ def _score_table(scored, sample_ids: list[str]) -> pa.Table:
         [r if k else None for r, k in zip(result.reward, keep, strict=True)], pa.float64()
     )
     columns["reward_error"] = pa.array(result.reward_error, pa.string())
-    return pa.table(columns)
+    return pa.table(columns).replace_schema_metadata({REWARD_INFO: json.dumps(reward_info)})
 
 
 def score_part(
@@ -74,7 +78,7 @@ def score_part(
         rewards, _reward_batches(rollout_dir / name, progress), config.reward.on_error
     )
     progress.finish()
-    write_table(stage_dir / name, _score_table(scored, sample_ids))
+    write_table(stage_dir / name, _score_table(scored, sample_ids, rewards.info))
     return len(sample_ids)
 
 
@@ -144,11 +148,27 @@ def run(
             parts=list(parts),
             counts={"images": table.num_rows, "failed": len(errors), "dropped": dropped},
             extra={"rewards": names, "weights": config.reward.weights,
+                   "reward_info": _reward_info([writer.dir / name for name in parts]),
                    "on_error": config.reward.on_error, "first_errors": errors[:5],
                    "stats": _stats(table, names)},
         )  # fmt: skip
 
     return run_stage(writer, score_my_parts, finish)
+
+
+def _reward_info(paths: list[Path]) -> dict:
+    """What scored the parts (their RewardSet.info). Parts scored by different processes
+    record the same unless a model changed between them; then each distinct record is
+    kept with the parts it scored."""
+    records: dict[str, list[str]] = {}
+    for path in paths:
+        metadata = open_part(path).schema.metadata or {}
+        records.setdefault(metadata.get(REWARD_INFO.encode(), b"{}").decode(), []).append(path.name)
+    if len(records) == 1:
+        return json.loads(next(iter(records)))
+    return {
+        "differs_by_part": [{"parts": names, **json.loads(text)} for text, names in records.items()]
+    }
 
 
 def _stats(table: pa.Table, names: list[str]) -> dict[str, dict[str, float | None]]:

@@ -157,3 +157,32 @@ def _parent(pid: str) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_a_model_reward_is_served_with_the_settings_of_a_config(tmp_path):
+    """`serve-reward -c`: the config's [reward.clipscore] model, served; equal scores."""
+    from flowgrpo_cli.models.tiny import build_tiny_clip
+    from flowgrpo_cli.rewards.options import ModelRewardOptions, ModelSource
+
+    clip = build_tiny_clip(tmp_path / "clip")
+    config = tmp_path / "rewards.toml"
+    config.write_text(
+        f'[reward]\ndevice = "cpu"\nweights = {{ clipscore = 1.0 }}\n'
+        f'[reward.clipscore]\nmodel = "{clip}"\n'
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_cli", "serve-reward", "--port", "0", "-c", str(config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = process.stdout.readline()
+        assert "serving clipscore" in line, line + process.stderr.read()
+        url = line.split(" at ")[-1].strip()
+        models = ModelRewardOptions(device="cpu", clipscore=ModelSource(str(clip)))
+        with build_rewards({"clipscore": 1.0}, models=models) as local:
+            expected = local.score(batch()).reward
+        with remote(url) as rewards:
+            assert rewards.score(batch()).reward == pytest.approx(expected, abs=1e-6)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

@@ -23,7 +23,7 @@ from flowgrpo_cli.rewards import (
     score_image_files,
 )
 from flowgrpo_cli.rewards.jpeg import jpeg_size_kb
-from flowgrpo_cli.store.config import load_config
+from flowgrpo_cli.store.config import RewardSection, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 REPO = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_score_image_files_reads_targets_from_prompts(tmp_path):
     render("Hello World").save(paths[0])
     render("Hello World").save(paths[1])
     prompts = ['A sign that says "Hallo World"', "A sign with no quoted text"]
-    result = score_image_files(paths, prompts, {"ocr": 1.0})
+    result = score_image_files(paths, prompts, RewardSection())
     assert result.columns["ocr"] == [pytest.approx(0.9), None]
     assert result.details["ocr"]["text"] == ["Hello World", "Hello World"]
     assert "no ground truth" in result.reward_error[1]
@@ -196,8 +196,8 @@ def test_score_image_files_reads_targets_from_prompts(tmp_path):
 def test_score_image_files_input_errors(tmp_path):
     (tmp_path / "not.png").write_text("not an image")
     with pytest.raises(FlowGrpoError, match="1 prompt\\(s\\) for 2 image\\(s\\)"):
-        score_image_files([tmp_path / "a.png", tmp_path / "b.png"], ["p"], {"ocr": 1.0})
+        score_image_files([tmp_path / "a.png", tmp_path / "b.png"], ["p"], RewardSection())
     with pytest.raises(FlowGrpoError, match=r"missing\.png: no such image file"):
-        score_image_files([tmp_path / "missing.png"], ["p"], {"ocr": 1.0})
+        score_image_files([tmp_path / "missing.png"], ["p"], RewardSection())
     with pytest.raises(FlowGrpoError, match=r"not\.png: cannot read the image"):
-        score_image_files([tmp_path / "not.png"], ["p"], {"ocr": 1.0})
+        score_image_files([tmp_path / "not.png"], ["p"], RewardSection())

@@ -332,3 +332,43 @@ def build_tiny_pipeline(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def build_tiny_clip(out_dir: Path, *, seed: int = 0, projection_dim: int = 16) -> Path:
+    """A tiny random CLIPModel and its CLIPProcessor, saved as a released CLIP checkpoint is
+    (config, safetensors, processor and tokenizer files): what the CLIP rewards load."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    tokenizer = char_clip_tokenizer()
+    text = _clip_config(projection_dim=projection_dim).to_dict()
+    text["vocab_size"] = len(tokenizer)
+    vision = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "image_size": 32, "patch_size": 8,
+    }  # fmt: skip
+    config = CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = CLIPModel(config)
+    size = vision["image_size"]
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out_dir)
+    return out_dir
+
+
+def save_tiny_aesthetic_head(path: Path, embedding_dim: int, *, seed: int = 0) -> Path:
+    """A random aesthetic predictor for `embedding_dim`-wide CLIP embeddings, saved as the
+    released one is (torch.save of the MLP's state dict, keys `layers.N.weight`)."""
+    from flowgrpo_cli.rewards.clip import aesthetic_head
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = aesthetic_head(embedding_dim)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({f"layers.{key}": value for key, value in head.state_dict().items()}, path)
+    return path

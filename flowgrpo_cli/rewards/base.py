@@ -121,6 +121,11 @@ class Reward(Protocol):
     needs: frozenset[Need]
     parallel_safe: bool
 
+    @property
+    def info(self) -> dict[str, str]:
+        """What it scores with (model id and commit, engine version, URL), for manifests."""
+        ...
+
     def score(self, batch: RewardBatch) -> RewardOutput: ...
 
     def close(self) -> None: ...

@@ -4,7 +4,7 @@ line (`flowgrpo reward`: `score_image_files`)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,7 +21,7 @@ from flowgrpo_cli.rewards.on_error import (
     check_on_error,
     summarize_errors,
 )
-from flowgrpo_cli.rewards.options import RemoteOptions
+from flowgrpo_cli.rewards.options import ModelRewardOptions, ModelSource, RemoteOptions
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
 from flowgrpo_cli.store.prompts import extract_target
 
@@ -45,7 +45,28 @@ def build_rewards_from_config(section: RewardSection) -> RewardSet:
         else None
     )
     add_plugin_dirs(section.plugin_dirs)
-    return build_rewards(section.weights, ocr_workers=section.ocr_workers, remote=options)
+    return build_rewards(
+        section.weights,
+        ocr_workers=section.ocr_workers,
+        remote=options,
+        models=model_reward_options(section),
+    )
+
+
+def model_reward_options(section: RewardSection) -> ModelRewardOptions:
+    """The config's settings of the model rewards (device, dtype, batch and each model)."""
+    pick, clip, aesthetic = section.pickscore, section.clipscore, section.aesthetic
+    return ModelRewardOptions(
+        device=section.device,
+        dtype=section.dtype,
+        batch_size=section.batch_size,
+        pickscore=ModelSource(pick.model, pick.revision),
+        pickscore_processor=ModelSource(pick.processor, pick.processor_revision),
+        clipscore=ModelSource(clip.model, clip.revision),
+        aesthetic=ModelSource(aesthetic.model, aesthetic.revision),
+        aesthetic_head=ModelSource(aesthetic.head, aesthetic.head_revision),
+        aesthetic_head_file=aesthetic.head_file,
+    )
 
 
 @dataclass(frozen=True)
@@ -83,15 +104,11 @@ def score_batches(
 
 
 def score_image_files(
-    paths: Sequence[Path],
-    prompts: Sequence[str],
-    weights: Mapping[str, float],
-    *,
-    ocr_workers: int = 1,
-    remote: RemoteOptions | None = None,
+    paths: Sequence[Path], prompts: Sequence[str], section: RewardSection
 ) -> ScoreResult:
-    """Score image files against their prompts (one each); the OCR target is the prompt's
-    first quoted span. `result.details["ocr"]["text"]` holds what OCR read."""
+    """Score image files against their prompts (one each) with the rewards of a config's
+    [reward] table; the OCR target is the prompt's first quoted span.
+    `result.details["ocr"]["text"]` holds what OCR read."""
     if len(prompts) != len(paths):
         raise FlowGrpoError(
             f"{len(prompts)} prompt(s) for {len(paths)} image(s): give one prompt per image"
@@ -102,7 +119,7 @@ def score_image_files(
         ground_truths=[extract_target(prompt) for prompt in prompts],
         metadata=[{"sample_id": str(path)} for path in paths],
     )
-    with build_rewards(weights, ocr_workers=ocr_workers, remote=remote) as rewards:
+    with build_rewards_from_config(section) as rewards:
         return rewards.score(batch)
 
 

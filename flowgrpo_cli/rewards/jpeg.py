@@ -51,6 +51,10 @@ class JpegReward:
         except Exception as err:
             return ImageScore.failed(describe_exception(err))
 
+    @property
+    def info(self) -> dict[str, str]:
+        return {"jpeg_quality": str(QUALITY)}
+
     def close(self) -> None:
         """Nothing to release."""
 

@@ -147,6 +147,12 @@ class OcrReward:
         ]
         return RewardOutput(scores=scores, details={"text": [read.text for read in reads]})
 
+    @property
+    def info(self) -> dict[str, str]:
+        from importlib.metadata import version
+
+        return {"engine": f"rapidocr-onnxruntime {version('rapidocr-onnxruntime')}"}
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flowgrpo_cli.errors import FlowGrpoError
 
@@ -37,9 +37,53 @@ class RemoteOptions:
             raise FlowGrpoError(f"[reward.remote] max_reply_mb = {self.max_reply_mb}: must be > 0")
 
 
+# The released models, as flow_grpo loads them (PickScore's processor is its base CLIP's; the
+# aesthetic head is LAION's sac+logos+ava1-l14-linearMSE.pth, as TRL's DDPO publishes it).
+PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+CLIPSCORE_MODEL = "openai/clip-vit-large-patch14"
+AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
+AESTHETIC_HEAD = "trl-lib/ddpo-aesthetic-predictor"
+AESTHETIC_HEAD_FILE = "aesthetic-model.pth"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a reward model comes from: a local folder, or a hub id at a revision."""
+
+    model: str
+    revision: str = "main"  # branch, tag or commit; ignored for a local folder
+
+
+@dataclass(frozen=True)
+class ModelRewardOptions:
+    """Settings of the rewards that run a neural network (pickscore, clipscore, aesthetic);
+    the fields mirror the config's [reward] device / dtype / batch_size and its
+    [reward.pickscore], [reward.clipscore] and [reward.aesthetic] tables."""
+
+    device: str = "auto"  # auto: this rank's GPU when there is one, else the CPU
+    dtype: str = "auto"  # auto: float16 on a GPU, float32 on the CPU
+    batch_size: int = 32  # images per forward pass
+    pickscore: ModelSource = ModelSource(PICKSCORE_MODEL)
+    pickscore_processor: ModelSource = ModelSource(PICKSCORE_PROCESSOR)
+    clipscore: ModelSource = ModelSource(CLIPSCORE_MODEL)
+    aesthetic: ModelSource = ModelSource(AESTHETIC_CLIP)
+    aesthetic_head: ModelSource = ModelSource(AESTHETIC_HEAD)
+    aesthetic_head_file: str = AESTHETIC_HEAD_FILE
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise FlowGrpoError(
+                f"[reward] dtype = {self.dtype!r}: choose auto, float32, float16 or bfloat16"
+            )
+        if self.batch_size < 1:
+            raise FlowGrpoError(f"[reward] batch_size = {self.batch_size}: must be >= 1")
+
+
 @dataclass(frozen=True)
 class RewardOptions:
     """What build_rewards passes to every reward's builder; each reads what it needs."""
 
     ocr_workers: int = 1
     remote: RemoteOptions | None = None
+    models: ModelRewardOptions = field(default_factory=ModelRewardOptions)

@@ -84,6 +84,13 @@ class PluginReward:
             )
         return values
 
+    @property
+    def info(self) -> dict[str, str]:
+        import inspect
+
+        module = inspect.getmodule(self._function)
+        return {"file": str(getattr(module, "__file__", None) or "unknown")}
+
     def close(self) -> None:
         """Nothing to release: the plugin owns its resources."""
 

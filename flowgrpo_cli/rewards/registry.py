@@ -22,6 +22,9 @@ _BUILDERS: dict[str, str] = {
     "jpeg_compressibility": "flowgrpo_cli.rewards.jpeg:build_compressibility",
     "jpeg_incompressibility": "flowgrpo_cli.rewards.jpeg:build_incompressibility",
     "remote": "flowgrpo_cli.rewards.remote:build_remote",
+    "pickscore": "flowgrpo_cli.rewards.clip:build_pickscore",
+    "clipscore": "flowgrpo_cli.rewards.clip:build_clipscore",
+    "aesthetic": "flowgrpo_cli.rewards.clip:build_aesthetic",
 }
 REWARD_NAMES = tuple(_BUILDERS)
 

@@ -205,6 +205,10 @@ class RemoteReward:
             f"{self.options.max_reply_mb}); a reply holds one score per image"
         )
 
+    @property
+    def info(self) -> dict[str, str]:
+        return {"url": self.options.url}
+
     def close(self) -> None:
         """Nothing to release: each request opens and closes its own connection."""
 

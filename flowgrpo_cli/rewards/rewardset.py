@@ -20,7 +20,7 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import Reward, RewardBatch, RewardOutput
-from flowgrpo_cli.rewards.options import RemoteOptions, RewardOptions
+from flowgrpo_cli.rewards.options import ModelRewardOptions, RemoteOptions, RewardOptions
 from flowgrpo_cli.rewards.registry import resolve
 
 
@@ -71,6 +71,15 @@ class RewardSet:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(reward.name for reward in self._rewards)
+
+    @property
+    def info(self) -> dict[str, dict[str, object]]:
+        """Per reward: its weight and what it scores with (model and commit, engine, URL),
+        which the score stage records so that a run says what scored it."""
+        return {
+            reward.name: {"weight": self.weights[reward.name], **reward.info}
+            for reward in self._rewards
+        }
 
     def score(self, batch: RewardBatch) -> ScoreResult:
         self._check_needs(batch)
@@ -158,6 +167,7 @@ def build_rewards(
     *,
     ocr_workers: int = 1,
     remote: RemoteOptions | None = None,
+    models: ModelRewardOptions | None = None,
 ) -> RewardSet:
     """The rewards named in `weights` ([reward] weights of the config), built and ready.
 
@@ -172,7 +182,9 @@ def build_rewards(
         if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight):
             raise FlowGrpoError(f"[reward] weights: {name!r} = {weight!r}: must be a finite number")
     builders = {name: resolve(name) for name in weights}
-    options = RewardOptions(ocr_workers=ocr_workers, remote=remote)
+    options = RewardOptions(
+        ocr_workers=ocr_workers, remote=remote, models=models or ModelRewardOptions()
+    )
     built: list[Reward] = []
     try:
         for builder in builders.values():

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rewards import options as reward_defaults
 
 Check = Callable[[Any], str | None]
 
@@ -38,10 +39,16 @@ def _option(
     check: Check | None = None,
     path: Literal["", "local", "hub"] = "",
     affects_results: bool = True,
+    used_when: Callable[[Any], bool] | None = None,
 ) -> Any:
     """A config key: its default, the help the reference prints, a check of its value, and
-    whether it is a `local` path (stored absolute) or a `hub` one (a local folder or hub id)."""
-    meta = {"help": help, "check": check, "path": path, "affects_results": affects_results}
+    whether it is a `local` path (stored absolute) or a `hub` one (a local folder or hub id).
+    `used_when(section)` false: the key changes nothing in this config, so the hash skips it
+    (a new reward's settings leave the hash of runs that do not use it alone)."""
+    meta = {
+        "help": help, "check": check, "path": path, "affects_results": affects_results,
+        "used_when": used_when,
+    }  # fmt: skip
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -220,6 +227,63 @@ class RemoteRewardSection:
     )
 
 
+_HUB_REVISION = "Hub revision (branch, tag or commit) of `model`, resolved to a commit at load."
+
+
+@dataclass
+class PickScoreSection:
+    model: str = _option(
+        reward_defaults.PICKSCORE_MODEL, "PickScore's CLIP-H: a hub id or a local folder.",
+        path="hub",
+    )  # fmt: skip
+    revision: str = _option("main", _HUB_REVISION)
+    processor: str = _option(
+        reward_defaults.PICKSCORE_PROCESSOR,
+        "Its image processor and tokenizer: hub id or folder (its base CLIP's, as its "
+        "authors load it).",
+        path="hub",
+    )
+    processor_revision: str = _option("main", "Hub revision of `processor`.")
+
+
+@dataclass
+class ClipScoreSection:
+    model: str = _option(
+        reward_defaults.CLIPSCORE_MODEL, "The CLIP model: a hub id or a local folder.",
+        path="hub",
+    )  # fmt: skip
+    revision: str = _option("main", _HUB_REVISION)
+
+
+@dataclass
+class AestheticSection:
+    model: str = _option(
+        reward_defaults.AESTHETIC_CLIP, "The CLIP ViT-L/14: a hub id or a local folder.",
+        path="hub",
+    )  # fmt: skip
+    revision: str = _option("main", _HUB_REVISION)
+    head: str = _option(
+        reward_defaults.AESTHETIC_HEAD,
+        "The aesthetic MLP: a hub id or folder holding `head_file`, or the file itself.",
+        path="hub",
+    )
+    head_file: str = _option(reward_defaults.AESTHETIC_HEAD_FILE, "The head's file name.")
+    head_revision: str = _option("main", "Hub revision of `head`.")
+
+
+MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")
+
+
+def _uses_model_reward(section: Any) -> bool:
+    return any(name in section.weights for name in MODEL_REWARDS)
+
+
+def _reward_table(name: str, cls: type) -> Any:
+    """A reward model's table; it counts in the hash only when that reward is weighted."""
+    meta = {"used_when": lambda section: name in section.weights}
+    return field(default_factory=cls, metadata=meta)
+
+
 @dataclass
 class RewardSection:
     weights: dict[str, float] = _option(
@@ -239,7 +303,25 @@ class RewardSection:
         path="local",
         affects_results=False,
     )
+    device: str = _option(
+        "auto",
+        "Device of the model rewards (pickscore, clipscore, aesthetic): auto (this rank's "
+        "GPU, else the CPU), cpu, cuda, cuda:N.",
+        affects_results=False,
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = _option(
+        "auto",
+        "Weights of the model rewards; auto: float16 on a GPU, float32 on the CPU.",
+        used_when=_uses_model_reward,
+    )
+    batch_size: int = _option(
+        32, "Images per forward pass of a model reward.", check=_at_least(1),
+        affects_results=False,
+    )  # fmt: skip
     remote: RemoteRewardSection = field(default_factory=RemoteRewardSection)
+    pickscore: PickScoreSection = _reward_table("pickscore", PickScoreSection)
+    clipscore: ClipScoreSection = _reward_table("clipscore", ClipScoreSection)
+    aesthetic: AestheticSection = _reward_table("aesthetic", AestheticSection)
 
 
 def _anchor_decay(v: list[float]) -> str | None:
@@ -675,6 +757,9 @@ def _results_view(section: Any) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(section):
         value = getattr(section, f.name)
+        used_when = f.metadata.get("used_when")
+        if used_when is not None and not used_when(section):
+            continue
         if dataclasses.is_dataclass(value):
             out[f.name] = _results_view(value)
         elif f.metadata.get("affects_results", True):

@@ -1,0 +1,94 @@
+"""Reward model files from a local folder or the Hugging Face Hub, pinned to one commit.
+
+A hub revision (a branch such as `main`, a tag or a commit) is resolved to its commit once,
+through a small file of the repository, and everything else is then read at that commit: the
+run records which weights scored it, and a push to the branch mid-run cannot mix two versions.
+Resolving goes through huggingface_hub's cache, so it also works offline once the files are
+there (HF_HUB_OFFLINE=1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rewards.options import ModelSource
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    """What to pass to `from_pretrained`: a folder, or a hub id with the commit to read."""
+
+    location: str
+    commit: str | None  # None for a local folder
+
+    @property
+    def record(self) -> str:
+        """`hub-id@commit`, or the folder: what the score manifest stores."""
+        return f"{self.location}@{self.commit}" if self.commit else self.location
+
+
+def resolve_folder(source: ModelSource, probe: str, key: str) -> ResolvedSource:
+    """A model folder (`probe`, e.g. config.json, must be in it) or a hub repository.
+
+    `key` names the config key the source came from, for error messages.
+    """
+    folder = Path(source.model).expanduser()
+    if folder.is_dir():
+        if not (folder / probe).is_file():
+            raise FlowGrpoError(f"{key} = {source.model!r}: the folder has no {probe}")
+        return ResolvedSource(str(folder.resolve()), None)
+    _, commit = _download(source, probe, key)
+    return ResolvedSource(source.model, commit)
+
+
+def resolve_file(source: ModelSource, filename: str, key: str) -> tuple[Path, str]:
+    """A weights file: `source.model` is the file itself, a folder holding `filename`, or a
+    hub repository holding it. Returns the local path and what the manifest records."""
+    given = Path(source.model).expanduser()
+    if given.is_file():
+        return given.resolve(), str(given.resolve())
+    if given.is_dir():
+        path = given / filename
+        if not path.is_file():
+            raise FlowGrpoError(f"{key} = {source.model!r}: the folder has no {filename}")
+        return path.resolve(), str(path.resolve())
+    path, commit = _download(source, filename, key)
+    return path, f"{source.model}@{commit}/{filename}"
+
+
+def _download(source: ModelSource, filename: str, key: str) -> tuple[Path, str]:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{key} = {source.model!r}"
+    try:
+        path = Path(hf_hub_download(source.model, filename, revision=source.revision))
+    except HFValidationError:
+        raise FlowGrpoError(f"{where}: no such folder, and not a valid hub id") from None
+    except RepositoryNotFoundError:
+        raise FlowGrpoError(
+            f"{where}: no such folder, and no such hub repository (or it is gated: run "
+            "`hf auth login`)"
+        ) from None
+    except RevisionNotFoundError:
+        raise FlowGrpoError(
+            f"{where}: the repository has no revision {source.revision!r}"
+        ) from None
+    except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: caught first
+        raise FlowGrpoError(
+            f"{where}: not downloaded yet and the hub cannot be reached (offline?); download "
+            f"it once with `hf download {source.model}`, or name a local folder"
+        ) from None
+    except EntryNotFoundError:
+        raise FlowGrpoError(f"{where}: the repository has no {filename}") from None
+    # The cache keeps every file under snapshots/<commit>/<filename>.
+    commit = path.parents[len(Path(filename).parts) - 1].name
+    return path, commit
