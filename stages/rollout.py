@@ -17,8 +17,8 @@ from dataclasses import fields, replace
 from flowgrpo_cli.algorithm.registry import spec
 from flowgrpo_cli.algorithm.schedule import (
     StepSchedule,
+    WindowMotion,
     build_step_schedule,
-    progressive_window_start,
 )
 from flowgrpo_cli.algorithm.sde import check_noise_level
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
@@ -70,10 +70,18 @@ def iteration_schedule(config: Config, iteration: int) -> StepSchedule:
                 "(its paper: 4 of 25 steps)"
             )
         lowest, highest = window_range or (0, sampler.num_steps - sampler.window_size - 1)
-        start = progressive_window_start(
-            iteration, lowest=lowest, highest=max(lowest, highest),
-            shift_every=sampler.window_shift_every, stride=sampler.window_stride,
-        )  # fmt: skip
+        motion = WindowMotion(
+            lowest=lowest,
+            highest=max(lowest, highest),
+            shift_every=sampler.window_shift_every,
+            stride=sampler.window_stride,
+            schedule=sampler.window_schedule,
+            shift_every_min=sampler.window_shift_every_min,
+            decay_threshold=sampler.window_decay_threshold,
+            decay_rate=sampler.window_decay_rate,
+            num_steps=sampler.num_steps,
+        )
+        start = motion.start(iteration)
         window_range = (start, start)
     return build_step_schedule(
         sampler.num_steps,
@@ -96,13 +104,25 @@ def latent_bytes_per_iteration(config: Config, latent_shape: tuple[int, ...]) ->
 
 
 def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
+    sampler = config.sampler
+    changes_post_window = (
+        sampler.post_window_solver != "euler" or sampler.post_window_compress < 1.0
+    )
+    if changes_post_window and (not sampler.window_size or sampler.noise_level == 0):
+        raise FlowGrpoError(
+            "sampler.post_window_solver / post_window_compress change the ODE steps after "
+            "the SDE window, and this config has none: set sampler.window_size (and a "
+            "noise_level > 0), or leave them at 'euler' / 1.0"
+        )
     return SamplerSettings(
-        kind=config.sampler.kind,
-        noise_level=config.sampler.noise_level,
-        guidance_scale=config.sampler.guidance_scale,
+        kind=sampler.kind,
+        noise_level=sampler.noise_level,
+        guidance_scale=sampler.guidance_scale,
         height=config.model.height,
         width=config.model.width,
         schedule=iteration_schedule(config, iteration),
+        post_window_solver=sampler.post_window_solver,
+        post_window_compress=sampler.post_window_compress,
     )
 
 

@@ -21,7 +21,7 @@ from flowgrpo_cli.algorithm.grpo_guard import normalized_log_ratio, step_weight
 from flowgrpo_cli.algorithm.loss import policy_loss
 from flowgrpo_cli.algorithm.nft import nft_loss, optimality
 from flowgrpo_cli.algorithm.registry import anchor_decay
-from flowgrpo_cli.algorithm.schedule import progressive_window_start
+from flowgrpo_cli.algorithm.schedule import WindowMotion
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.loop import run_loop
 from flowgrpo_cli.store.rundir import ROLLOUT
@@ -90,8 +90,29 @@ def test_guard_weights_the_policy_term_by_one_over_dt():
     [(0, 0), (24, 0), (25, 1), (49, 1), (50, 2), (500, 5)],  # MixGRPO: every 25, stride 1
 )
 def test_the_mixgrpo_window_slides_then_stays(iteration, expected):
-    start = progressive_window_start(iteration, lowest=0, highest=5, shift_every=25, stride=1)
-    assert start == expected
+    motion = WindowMotion(lowest=0, highest=5, shift_every=25, stride=1)
+    assert motion.start(iteration) == expected
+
+
+def test_mixgrpo_decay_shortens_the_stays_linearly():
+    """MixGRPO's decay on 25 steps (p = s / 23), stays from 10 down to 1: at s = 0,
+    int(10) = 10; at s = 1, int(10 * 22/23 + 1/23) = int(9.61) = 9; at s = 2, int(9.22) = 9."""
+    motion = WindowMotion(lowest=0, highest=3, shift_every=10, stride=1, schedule="decay",
+                          shift_every_min=1, num_steps=25)  # fmt: skip
+    assert [motion.stay(s) for s in (0, 1, 2, 23)] == [10, 9, 9, 1]
+    starts = [motion.start(k) for k in range(40)]
+    assert starts == [0] * 10 + [1] * 9 + [2] * 9 + [3] * 12
+
+
+def test_mixgrpo_exp_decay_shortens_the_stays_past_the_threshold():
+    """ceil(5 exp(-0.1 max(0, s - 13))): 5 up to s = 15 (ceil(4.09)), 4 at 16 (ceil(3.70)),
+    3 at 20 (ceil(2.48)), 1 at 30 (ceil(0.91))."""
+    motion = WindowMotion(lowest=14, highest=17, shift_every=5, stride=1, schedule="exp_decay")
+    assert [motion.stay(s) for s in (10, 15, 16, 20, 30)] == [5, 5, 4, 3, 1]
+    starts = [motion.start(k) for k in range(20)]
+    assert starts == [14] * 5 + [15] * 5 + [16] * 4 + [17] * 6
+    frozen = WindowMotion(lowest=2, highest=9, shift_every=1, stride=0, schedule="exp_decay")
+    assert frozen.start(50) == 2  # stride 0 (MixGRPO-Flash*): the window never moves
 
 
 def test_mixgrpo_rollout_windows_move_with_the_iteration(make_run):
@@ -100,6 +121,12 @@ def test_mixgrpo_rollout_windows_move_with_the_iteration(make_run):
     windows = [iteration_schedule(config, k).stochastic_indices for k in range(10)]
     # [0, num_steps - window_size - 1] = [0, 3]: the window never reaches the last step
     assert windows == [(0, 1)] * 2 + [(1, 2)] * 2 + [(2, 3)] * 2 + [(3, 4)] * 4
+    decaying, _ = make_run("algorithm.name=mixgrpo", "sampler.num_steps=6",
+                           "sampler.window_size=2", "sampler.window_shift_every=3",
+                           "sampler.window_schedule=decay", name="decay")  # fmt: skip
+    windows = [iteration_schedule(decaying, k).stochastic_indices[0] for k in range(10)]
+    # p = s / 4: stays int(3), int(2.5), int(2) (at least window_shift_every_min = 1)
+    assert windows == [0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
     unset, _ = make_run("algorithm.name=mixgrpo", name="unset")
     with pytest.raises(FlowGrpoError, match=r"set sampler\.window_size"):
         iteration_schedule(unset, 0)

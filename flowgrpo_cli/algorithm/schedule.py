@@ -167,10 +167,53 @@ def _window_starts(window_range: Sequence[int] | None) -> range:
     return range(int(window_range[0]), int(window_range[1]) + 1)
 
 
-def progressive_window_start(
-    iteration: int, *, lowest: int, highest: int, shift_every: int, stride: int
-) -> int:
-    """MixGRPO's sliding window: its first step starts at `lowest`, moves `stride` steps every
-    `shift_every` iterations, and stays at `highest` once there (its code's default, no roll
-    back): min(lowest + (iteration // shift_every) stride, highest)."""
-    return min(lowest + (iteration // shift_every) * stride, highest)
+@dataclass(frozen=True)
+class WindowMotion:
+    """How MixGRPO's SDE window moves with training (Tencent-Hunyuan/MixGRPO,
+    fastvideo/utils/grpo_states.py): its first step starts at `lowest` and moves `stride` steps
+    each time it has stayed its stay, up to `highest`, where it stays (their default, no roll
+    back). The stay at a window start s:
+
+    - progressive: `shift_every` iterations;
+    - decay: int(shift_every (1 - p) + shift_every_min p), at least shift_every_min, with
+      p = s / (num_steps - 2) (their `max_timesteps`);
+    - exp_decay: ceil(shift_every exp(-decay_rate max(0, s - decay_threshold))).
+    """
+
+    lowest: int
+    highest: int
+    shift_every: int
+    stride: int
+    schedule: str = "progressive"
+    shift_every_min: int = 1
+    decay_threshold: int = 13
+    decay_rate: float = 0.1
+    num_steps: int = 0  # decay only: p's denominator is num_steps - 2
+
+    def stay(self, start: int) -> int:
+        """Iterations the window stays at `start` before it moves."""
+        if self.schedule == "progressive":
+            return self.shift_every
+        if self.schedule == "decay":
+            progress = start / max(self.num_steps - 2, 1)
+            linear = int(self.shift_every * (1 - progress) + self.shift_every_min * progress)
+            return max(self.shift_every_min, linear)
+        if self.schedule == "exp_decay":
+            excess = max(0, start - self.decay_threshold)
+            return max(1, math.ceil(self.shift_every * math.exp(-self.decay_rate * excess)))
+        raise FlowGrpoError(
+            f"window schedule {self.schedule!r}: must be progressive, decay or exp_decay"
+        )
+
+    def start(self, iteration: int) -> int:
+        """The window's first step at `iteration`: its start after `iteration` updates."""
+        if self.schedule == "progressive":  # the closed form of the walk below
+            return min(self.lowest + (iteration // self.shift_every) * self.stride, self.highest)
+        start, stayed = self.lowest, 0
+        for _ in range(iteration):
+            if start >= self.highest or self.stride == 0:
+                break  # it stays there for good
+            stayed += 1
+            if stayed >= self.stay(start):
+                start, stayed = min(start + self.stride, self.highest), 0
+        return start

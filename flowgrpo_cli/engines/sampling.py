@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flowgrpo_cli.algorithm.dpm_solver import compressed_sigmas, data_prediction, dpm_solver_pp_step
 from flowgrpo_cli.algorithm.schedule import StepSchedule
 from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, ode_step
 from flowgrpo_cli.models import Conditioning, ModelAdapter
@@ -25,6 +26,10 @@ class SamplerSettings:
     height: int
     width: int
     schedule: StepSchedule
+    # The ODE steps after the SDE window (MixGRPO-Flash, algorithm.dpm_solver): their solver
+    # ("euler" or "dpm++2m") and the share of them kept (1: the full schedule).
+    post_window_solver: str = "euler"
+    post_window_compress: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -56,14 +61,19 @@ def sample_batch(
         schedule.stochastic if settings.noise_level > 0 else (False,) * len(schedule.stochastic)
     )
     step_fn = STEP_FUNCTIONS[settings.kind]
+    step_sigmas = _step_sigmas(adapter, settings, stochastic, sigmas)
+    window_end = max((i for i, s in enumerate(stochastic) if s), default=len(stochastic))
+    dpm = settings.post_window_solver == "dpm++2m"
     batch = len(seeds)
     states, log_probs, sigma_now, sigma_next = [], [], [], []
-    for i in range(schedule.num_steps):
-        sigma, following = float(sigmas[i]), float(sigmas[i + 1])
+    previous = None  # the data prediction of the step before, for DPM-Solver++ (2M)
+    for i in range(len(step_sigmas) - 1):
+        sigma, following = step_sigmas[i], step_sigmas[i + 1]
         # Per-sample float32 sigmas, exactly the values the update reads back from the store.
         sigma_batch = torch.full((batch,), sigma, dtype=torch.float32, device=device)
         following_batch = torch.full((batch,), following, dtype=torch.float32, device=device)
         v = adapter.velocity(x, sigma_batch, cond, guidance_scale=settings.guidance_scale)
+        prediction = data_prediction(x, v, sigma) if dpm else None
         if stochastic[i]:
             if not states:
                 states.append(x)
@@ -80,9 +90,12 @@ def sample_batch(
             log_probs.append(out.log_prob)
             sigma_now.append(sigma)
             sigma_next.append(following)
+            x = out.next_latents
+        elif dpm and i > window_end:  # after the window, as MixGRPO-Flash
+            x = dpm_solver_pp_step(x, prediction, sigma, following, previous)
         else:
-            out = ode_step(x, v, sigma_batch, following_batch)
-        x = out.next_latents
+            x = ode_step(x, v, sigma_batch, following_batch).next_latents
+        previous = (prediction, sigma) if dpm else None
     if not states:  # no stochastic step: store the final latent alone
         states.append(x)
     steps = len(log_probs)
@@ -94,3 +107,24 @@ def sample_batch(
         images=adapter.decode(x),
         final_latents=x.float(),
     )
+
+
+def _step_sigmas(
+    adapter: ModelAdapter,
+    settings: SamplerSettings,
+    stochastic: tuple[bool, ...],
+    sigmas: torch.Tensor,
+) -> list[float]:
+    """The sigmas the loop steps through: the schedule's, with the part after the SDE window
+    redrawn with fewer points when `post_window_compress` < 1 (MixGRPO-Flash). Never more
+    steps than the schedule's, so `stochastic[i]` covers every step."""
+    full = [float(s) for s in sigmas]
+    if settings.post_window_compress >= 1.0 or not any(stochastic):
+        return full
+    last = max(i for i, s in enumerate(stochastic) if s)
+    remaining = len(full) - 2 - last  # steps from the window's end to sigma 0
+    if remaining < 1:
+        return full
+    shift = adapter.time_shift(settings.height, settings.width)
+    tail = compressed_sigmas(full[last + 1], remaining, settings.post_window_compress, shift)
+    return full[: last + 1] + tail

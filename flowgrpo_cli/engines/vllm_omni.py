@@ -174,6 +174,8 @@ class VllmOmniEngine:
             "stochastic": list(settings.schedule.stochastic),
             "trained": list(settings.schedule.trained),
             "sigmas": [float(s) for s in sigmas],
+            "post_window_solver": settings.post_window_solver,
+            "post_window_compress": settings.post_window_compress,
         }
         params = OmniDiffusionSamplingParams(
             height=settings.height,
@@ -410,6 +412,8 @@ def _build_pipeline_class() -> type:
                     stochastic=tuple(job["stochastic"]),
                     trained=tuple(job["trained"]),
                 ),
+                post_window_solver=job["post_window_solver"],
+                post_window_compress=job["post_window_compress"],
             )
             prompts = req.prompts
             cond = Conditioning.cat(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -204,6 +205,10 @@ class ModelAdapter(Protocol):
         """float32 [num_steps + 1], from 1 down to a final 0, as the pipeline schedules them."""
         ...
 
+    def time_shift(self, height: int, width: int) -> float:
+        """s of the scheduler's time shift sigma = s t / (1 + (s - 1) t) at this size."""
+        ...
+
     def velocity(
         self,
         latents: torch.Tensor,
@@ -253,6 +258,27 @@ def scheduler_sigmas(pipeline: Any, num_steps: int, **set_timesteps_kwargs: Any)
     scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
     scheduler.set_timesteps(num_steps, device="cpu", **set_timesteps_kwargs)
     return scheduler.sigmas.to(torch.float32)
+
+
+def shift_factor(scheduler_config: Any, mu: float | None) -> float:
+    """s of the time shift the scheduler applies to its times t, sigma = s t / (1 + (s - 1) t):
+    its static `shift`, or exp(mu) (linear: mu) when it shifts by resolution.
+
+    A scheduler that then stretches its sigmas to `shift_terminal` (Qwen-Image's) maps times
+    to sigmas through the whole N-step schedule, not through s alone: refused."""
+    if scheduler_config.get("shift_terminal"):
+        raise FlowGrpoError(
+            f"sampler.post_window_compress < 1 redraws the steps after the SDE window on the "
+            f"scheduler's time shift, and this scheduler also stretches its sigmas to "
+            f"shift_terminal = {scheduler_config['shift_terminal']} (Qwen-Image's), which "
+            "that redraw does not follow: keep post_window_compress = 1 on this model "
+            "(post_window_solver works on any)"
+        )
+    if mu is None:
+        return float(scheduler_config.get("shift", 1.0))
+    if scheduler_config.get("time_shift_type", "exponential") == "linear":
+        return float(mu)
+    return math.exp(mu)
 
 
 def uses_cfg(cond: Conditioning, guidance_scale: float, family: str) -> bool:

@@ -35,6 +35,7 @@ from flowgrpo_cli.models.base import (
     refuse_system_prompt,
     scheduler_sigmas,
     sequence_length_kwargs,
+    shift_factor,
     unpack_latents,
     uses_cfg,
 )
@@ -105,17 +106,23 @@ class FluxAdapter(PipelinePlacement):
         return draw_noise(generators, self.latent_shape(height, width), self.device)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
+        linear = np.linspace(1.0, 1 / num_steps, num_steps)
+        return scheduler_sigmas(self.pipeline, num_steps, sigmas=linear, mu=self._mu(height, width))
+
+    def time_shift(self, height: int, width: int) -> float:
+        return shift_factor(self.pipeline.scheduler.config, self._mu(height, width))
+
+    def _mu(self, height: int, width: int) -> float:
+        """The resolution-dependent shift exponent."""
         config = self.pipeline.scheduler.config
         _, h, w = self.latent_shape(height, width)
-        mu = calculate_shift(
+        return calculate_shift(
             (h // 2) * (w // 2),  # packed tokens
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.15),
         )
-        linear = np.linspace(1.0, 1 / num_steps, num_steps)
-        return scheduler_sigmas(self.pipeline, num_steps, sigmas=linear, mu=mu)
 
     def velocity(
         self,

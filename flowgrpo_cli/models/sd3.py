@@ -26,6 +26,7 @@ from flowgrpo_cli.models.base import (
     refuse_system_prompt,
     scheduler_sigmas,
     sequence_length_kwargs,
+    shift_factor,
     uses_cfg,
 )
 from flowgrpo_cli.models.guidance import apply_cfg
@@ -84,19 +85,28 @@ class SD3Adapter(PipelinePlacement):
         return draw_noise(generators, self.latent_shape(height, width), self.device)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        config = self.pipeline.scheduler.config
-        _, h, w = self.latent_shape(height, width)
-        if not config.get("use_dynamic_shifting", False):
+        mu = self._mu(height, width)
+        if mu is None:
             return scheduler_sigmas(self.pipeline, num_steps)
+        return scheduler_sigmas(self.pipeline, num_steps, mu=mu)
+
+    def time_shift(self, height: int, width: int) -> float:
+        return shift_factor(self.pipeline.scheduler.config, self._mu(height, width))
+
+    def _mu(self, height: int, width: int) -> float | None:
+        """The resolution-dependent shift exponent, or None for SD3.5's static shift."""
+        config = self.pipeline.scheduler.config
+        if not config.get("use_dynamic_shifting", False):
+            return None
+        _, h, w = self.latent_shape(height, width)
         patch = self.transformer.config.patch_size
-        mu = calculate_shift(
+        return calculate_shift(
             (h // patch) * (w // patch),
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
             config.get("max_shift", 1.16),
         )
-        return scheduler_sigmas(self.pipeline, num_steps, mu=mu)
 
     def velocity(
         self,

@@ -199,6 +199,47 @@ class SamplerSection:
     window_stride: int = _option(
         1, "mixgrpo: steps the window moves each time.", check=_at_least(0)
     )
+    # The keys below came after runs existed: `used_when` leaves them out of the hash while
+    # they hold their defaults, so those runs keep their hashes.
+    window_schedule: Literal["progressive", "decay", "exp_decay"] = _option(
+        "progressive",
+        "mixgrpo: how long the window stays at each position: window_shift_every iterations "
+        "(progressive); from window_shift_every down to window_shift_every_min as the window "
+        "moves on (decay); window_shift_every * exp(-window_decay_rate * max(0, start - "
+        "window_decay_threshold)), rounded up (exp_decay).",
+        used_when=lambda sampler: sampler.window_schedule != "progressive",
+    )
+    window_shift_every_min: int = _option(
+        1,
+        "mixgrpo, decay: the shortest stay, reached at the last step.",
+        check=_at_least(1),
+        used_when=lambda sampler: sampler.window_schedule == "decay",
+    )
+    window_decay_threshold: int = _option(
+        13,
+        "mixgrpo, exp_decay: the window start after which its stays shorten.",
+        check=_at_least(0),
+        used_when=lambda sampler: sampler.window_schedule == "exp_decay",
+    )
+    window_decay_rate: float = _option(
+        0.1,
+        "mixgrpo, exp_decay: k of the stays' exponential decay.",
+        check=_at_least(0.0),
+        used_when=lambda sampler: sampler.window_schedule == "exp_decay",
+    )
+    post_window_solver: Literal["euler", "dpm++2m"] = _option(
+        "euler",
+        "ODE solver of the steps after the SDE window (MixGRPO-Flash: dpm++2m, the multistep "
+        "DPM-Solver++ of order 2); the window's own steps are unchanged.",
+        used_when=lambda sampler: sampler.post_window_solver != "euler",
+    )
+    post_window_compress: float = _option(
+        1.0,
+        "Share of the steps after the SDE window that are taken, redrawn on the scheduler's "
+        "shifted time grid (MixGRPO-Flash: 0.4); 1 = the full schedule.",
+        check=_in_unit_interval,
+        used_when=lambda sampler: sampler.post_window_compress < 1.0,
+    )
     engine: Literal["diffusers", "vllm-omni"] = _option("diffusers", "Rollout engine.")
     merge_lora: bool = _option(
         False,

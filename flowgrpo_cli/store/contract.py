@@ -57,6 +57,8 @@ class RolloutManifest:
                 "trained": list(schedule.trained),
                 "height": sampler.height,
                 "width": sampler.width,
+                "post_window_solver": sampler.post_window_solver,
+                "post_window_compress": sampler.post_window_compress,
                 "dtype": self.dtype,
                 "sigmas": list(self.sigmas),
             },
@@ -83,6 +85,9 @@ class RolloutManifest:
                         stochastic=tuple(sampler["stochastic"]),
                         trained=tuple(sampler["trained"]),
                     ),
+                    # Absent from manifests written before MixGRPO-Flash: those sampled so.
+                    post_window_solver=sampler.get("post_window_solver", "euler"),
+                    post_window_compress=sampler.get("post_window_compress", 1.0),
                 ),
                 sigmas=tuple(float(s) for s in sampler["sigmas"]),
                 dtype=sampler["dtype"],
