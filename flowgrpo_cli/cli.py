@@ -530,6 +530,13 @@ def serve_reward(
         list[Path] | None,
         typer.Option("--plugin-dir", help="Folder searched for plugins (repeatable)."),
     ] = None,
+    max_batch: Annotated[
+        int,
+        typer.Option(
+            help="Most images scored together: requests that wait while a batch is scored "
+            "are merged up to this many."
+        ),
+    ] = 64,
 ) -> None:
     """Serve rewards over HTTP in the `remote` reward's wire format: POST /score, GET /health.
     The reply is the weighted total of the rewards."""
@@ -543,6 +550,8 @@ def serve_reward(
         raise FlowGrpoError(
             "serve-reward needs the `serve` extra: pip install 'flowgrpo[serve]'"
         ) from None
+    if max_batch < 1:
+        raise FlowGrpoError(f"--max-batch {max_batch}: must be >= 1")
     section = _reward_section(config, set_, reward_, ocr_workers, plugin_dirs=plugin_dir)
     with build_rewards_from_config(section) as rewards:
         serve(
@@ -550,6 +559,7 @@ def serve_reward(
             on_ready=lambda url: print(
                 f"serving {', '.join(section.weights)} at {url}", flush=True
             ),
+            max_images=max_batch,
         )  # fmt: skip
 
 

@@ -1,5 +1,7 @@
 """`flowgrpo serve-reward` end to end: the `remote` reward talking to a served reward."""
 
+import asyncio
+import concurrent.futures
 import http.client
 import json
 import os
@@ -16,6 +18,7 @@ from PIL import Image
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards import RemoteOptions, RewardBatch, build_rewards
+from flowgrpo_cli.rewards.rewardset import ScoreResult
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -110,6 +113,22 @@ def test_server_errors_reach_the_remote_reward_as_documented(server):
         assert reply.status == 400 and problem in json.loads(reply.read())["error"]
 
 
+def test_concurrent_remote_clients_each_get_their_own_scores(server):
+    """Three `remote` rewards at once against the served rewards, whose requests the server
+    may merge: each gets what it gets alone (merging changes which images share a batch, not
+    their scores; the merging itself is checked above)."""
+    url, _, _ = server
+    with remote(url, batch_size=4) as rewards:
+        alone = rewards.score(batch()).reward
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+
+        def one(_):
+            with remote(url, batch_size=4) as rewards:
+                return rewards.score(batch()).reward
+
+        assert list(pool.map(one, range(3))) == [alone] * 3
+
+
 def test_the_server_stops_cleanly(server):
     _, process, _ = server
     workers = _children(process.pid)
@@ -186,3 +205,49 @@ def test_a_model_reward_is_served_with_the_settings_of_a_config(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+class _CountingRewards:
+    """Stands in for a RewardSet: the mean of each image's red channel, slowly; records the
+    size of every batch it scores and fails a batch holding the prompt "broken"."""
+
+    def __init__(self):
+        self.weights, self.sizes = {"red": 1.0}, []
+
+    def score(self, batch):
+        self.sizes.append(len(batch))
+        time.sleep(0.2)
+        if "broken" in batch.prompts:
+            raise FlowGrpoError("red: the reward broke")
+        values = [image.getpixel((0, 0))[0] / 255 for image in batch.images]
+        none = [None] * len(values)
+        seen = {"red": {"seen": list(batch.prompts)}}
+        return ScoreResult(("red",), {"red": values}, {"red": none}, values, none, seen)
+
+
+def test_waiting_requests_are_scored_together_and_each_gets_its_own_scores():
+    from flowgrpo_cli.rewards.server import BatchingScorer
+
+    async def scenario(rewards, max_images, prompts):
+        scorer = BatchingScorer(rewards, max_images)
+        first = asyncio.create_task(scorer.score(batch(prompts[0])))
+        await asyncio.sleep(0.05)  # the first batch is being scored: the others wait
+        rest = [asyncio.create_task(scorer.score(batch(p))) for p in prompts[1:]]
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    expected = [0.0, 80 / 255, 160 / 255, 240 / 255]  # batch()'s four red levels
+    rewards = _CountingRewards()
+    results = asyncio.run(scenario(rewards, 64, ["a", "b", "c", "d"]))
+    assert rewards.sizes == [4, 12]  # the lone first request at once, then the three waiting
+    for prompt, result in zip("abcd", results, strict=True):
+        assert result.reward == pytest.approx(expected)
+        assert result.details["red"]["seen"] == [prompt] * 4  # its own images, in order
+    rewards = _CountingRewards()
+    asyncio.run(scenario(rewards, 8, ["a", "b", "c", "d"]))
+    assert rewards.sizes == [4, 8, 4]  # at most --max-batch images a batch
+    # One request's failure stays its own: the merged batch fails, each is scored alone.
+    rewards = _CountingRewards()
+    results = asyncio.run(scenario(rewards, 64, ["a", "b", "broken", "d"]))
+    assert rewards.sizes == [4, 12, 4, 4, 4]
+    assert isinstance(results[2], FlowGrpoError) and "the reward broke" in str(results[2])
+    assert [r.reward for r in results[:2] + results[3:]] == [pytest.approx(expected)] * 3

@@ -60,6 +60,20 @@ class ScoreResult:
             },
         )
 
+    def slice(self, start: int, stop: int) -> ScoreResult:
+        """Images start to stop of this result (a merged batch handed back per request)."""
+        return ScoreResult(
+            names=self.names,
+            columns={name: values[start:stop] for name, values in self.columns.items()},
+            errors={name: values[start:stop] for name, values in self.errors.items()},
+            reward=self.reward[start:stop],
+            reward_error=self.reward_error[start:stop],
+            details={
+                name: {key: values[start:stop] for key, values in details.items()}
+                for name, details in self.details.items()
+            },
+        )
+
 
 class RewardSet:
     """Built rewards with their weights; close it (or use `with`) to stop worker processes."""
