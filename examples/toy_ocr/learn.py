@@ -90,11 +90,14 @@ def rl_curve(run: Path) -> list[Point]:
     ]
 
 
-def run_rl(arm: str, out: Path, minutes: float, split: Path, threads: int) -> list[Point]:
+def run_rl(
+    arm: str, out: Path, minutes: float, split: Path, threads: int, overrides: Sequence[str]
+) -> list[Point]:
     config = rl_config(arm)
     every = tomllib.loads(config.read_text())["eval"]["every"]
     run, log = out / arm, out / f"{arm}.log"
-    sets = ["--set", f"data.test={split}", "--set", "eval.num_prompts=0"]
+    sets = [f"data.test={split}", "eval.num_prompts=0", *overrides]
+    sets = [arg for key in sets for arg in ("--set", key)]
     iterations = 0
     while True:
         loop = ["loop", "--config", str(config), "--run", str(run), "-n", str(iterations)]
@@ -153,7 +156,7 @@ def run_arm(arm: str, options: argparse.Namespace) -> list[Point]:
             options.out, options.minutes, split, options.threads, options.pretrain_every, BASE
         )
     else:
-        curve = run_rl(arm, options.out, options.minutes, split, options.threads)
+        curve = run_rl(arm, options.out, options.minutes, split, options.threads, options.set)
     with (options.out / arm / "curve.jsonl").open("w") as f:
         f.writelines(json.dumps(asdict(point)) + "\n" for point in curve)
     print(f"{arm}: " + ", ".join(f"{p.minutes:.1f} min {p.accuracy:.3f}" for p in curve))
@@ -232,6 +235,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per arm.")
     parser.add_argument(
         "--pretrain-every", type=int, default=100, help="Pre-training steps between checkpoints."
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A config override for every RL arm, as `flowgrpo loop --set` (repeatable).",
     )
     parser.add_argument("--fresh", action="store_true", help="Delete OUT's runs first.")
     parser.add_argument(
