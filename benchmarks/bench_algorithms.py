@@ -41,14 +41,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     config, _ = runs["flow_grpo"]
     engine = engine_for(ctx.policy(config), config)  # one policy: the same weights sample both
 
-    def side(name: str) -> Side:
-        config, run_dir = runs[name]
-        return Side(
-            lambda: rollout.run(config, run_dir, 0, engine),
-            reset=lambda: remove(run_dir.stage_dir(0, ROLLOUT)),
-        )
-
-    timings = alternate({name: side(name) for name in runs}, ctx.reps)
+    timings = _time_rollouts(runs, engine, ctx.reps)
     per_image = {}
     for name, (config, run_dir) in runs.items():
         if not (run_dir.stage_dir(0, ROLLOUT) / "manifest.json").exists():
@@ -74,18 +67,11 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     _flash_rollout(ctx, report, engine)
 
 
-def _flash_rollout(ctx: Context, report: Report, engine) -> None:
+def _time_rollouts(runs: dict, engine, reps: int):
+    """Iteration 0's rollout of each (config, run) in `runs`, timed in alternation."""
     from flowgrpo_cli.stages import rollout
 
     from flowgrpo_cli.store.rundir import ROLLOUT
-
-    window = ("algorithm.name=mixgrpo", "sampler.num_steps=20", "sampler.window_size=2")
-    flash = ("sampler.post_window_solver=dpm++2m", "sampler.post_window_compress=0.4")
-    runs = {
-        "flash": make_run(ctx.workdir / "algo-flash", ctx.model(), *SHARED_OVERRIDES, *window,
-                          *flash),
-        "euler": make_run(ctx.workdir / "algo-euler", ctx.model(), *SHARED_OVERRIDES, *window),
-    }  # fmt: skip
 
     def side(name: str) -> Side:
         config, run_dir = runs[name]
@@ -94,7 +80,18 @@ def _flash_rollout(ctx: Context, report: Report, engine) -> None:
             reset=lambda: remove(run_dir.stage_dir(0, ROLLOUT)),
         )
 
-    timings = alternate({name: side(name) for name in runs}, ctx.reps)
+    return alternate({name: side(name) for name in runs}, reps)
+
+
+def _flash_rollout(ctx: Context, report: Report, engine) -> None:
+    window = ("algorithm.name=mixgrpo", "sampler.num_steps=20", "sampler.window_size=2")
+    flash = ("sampler.post_window_solver=dpm++2m", "sampler.post_window_compress=0.4")
+    runs = {
+        "flash": make_run(ctx.workdir / "algo-flash", ctx.model(), *SHARED_OVERRIDES, *window,
+                          *flash),
+        "euler": make_run(ctx.workdir / "algo-euler", ctx.model(), *SHARED_OVERRIDES, *window),
+    }  # fmt: skip
+    timings = _time_rollouts(runs, engine, ctx.reps)
     # Window 0-1 of 20 steps: int((20 - 1) 0.4) = 7 points, 6 steps after it, against 18.
     report.rows.append(
         Row(

@@ -26,8 +26,8 @@ class SamplerSettings:
     height: int
     width: int
     schedule: StepSchedule
-    # The ODE steps after the SDE window (MixGRPO-Flash, algorithm.dpm_solver): their solver
-    # ("euler" or "dpm++2m") and the share of them kept (1: the full schedule).
+    # The ODE steps after the SDE window (MixGRPO-Flash; sampler.post_window_solver and
+    # post_window_compress): their solver ("euler" or "dpm++2m") and the share of them taken.
     post_window_solver: str = "euler"
     post_window_compress: float = 1.0
 
