@@ -61,8 +61,9 @@ def sample_batch(
         schedule.stochastic if settings.noise_level > 0 else (False,) * len(schedule.stochastic)
     )
     step_fn = STEP_FUNCTIONS[settings.kind]
-    step_sigmas = _step_sigmas(adapter, settings, stochastic, sigmas)
+    # The window's last stochastic step; past the end when there is none.
     window_end = max((i for i, s in enumerate(stochastic) if s), default=len(stochastic))
+    step_sigmas = _step_sigmas(adapter, settings, window_end, sigmas)
     dpm = settings.post_window_solver == "dpm++2m"
     batch = len(seeds)
     states, log_probs, sigma_now, sigma_next = [], [], [], []
@@ -110,21 +111,16 @@ def sample_batch(
 
 
 def _step_sigmas(
-    adapter: ModelAdapter,
-    settings: SamplerSettings,
-    stochastic: tuple[bool, ...],
-    sigmas: torch.Tensor,
+    adapter: ModelAdapter, settings: SamplerSettings, window_end: int, sigmas: torch.Tensor
 ) -> list[float]:
     """The sigmas the loop steps through: the schedule's, with the part after the SDE window
-    redrawn with fewer points when `post_window_compress` < 1 (MixGRPO-Flash). Never more
-    steps than the schedule's, so `stochastic[i]` covers every step."""
+    (its last step `window_end`) redrawn with fewer points when `post_window_compress` < 1
+    (MixGRPO-Flash). Never more steps than the schedule's, so `stochastic[i]` covers every
+    step."""
     full = [float(s) for s in sigmas]
-    if settings.post_window_compress >= 1.0 or not any(stochastic):
-        return full
-    last = max(i for i, s in enumerate(stochastic) if s)
-    remaining = len(full) - 2 - last  # steps from the window's end to sigma 0
-    if remaining < 1:
+    remaining = len(full) - 2 - window_end  # steps from the window's end to sigma 0
+    if settings.post_window_compress >= 1.0 or remaining < 1:  # no window: remaining < 0
         return full
     shift = adapter.time_shift(settings.height, settings.width)
-    tail = compressed_sigmas(full[last + 1], remaining, settings.post_window_compress, shift)
-    return full[: last + 1] + tail
+    tail = compressed_sigmas(full[window_end + 1], remaining, settings.post_window_compress, shift)
+    return full[: window_end + 1] + tail

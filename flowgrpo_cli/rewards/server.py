@@ -71,7 +71,7 @@ def parse_batch(body: Any) -> RewardBatch:
     return RewardBatch(decoded, lists["prompts"], lists["ground_truths"], lists["metadata"])
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: `in` compares identity, never two batches' images
 class _Job:
     batch: RewardBatch
     done: asyncio.Future
