@@ -201,6 +201,20 @@ def test_awm_loss_and_gradient_by_hand():
     assert v.grad.item() < 0  # a negative one raises the sample's error
 
 
+def test_awm_negative_weight_scales_only_negative_advantages():
+    # A = -2.5: A' = -0.5, times 0.5 = -0.25; pg = -A' = 0.25, gradient half the unscaled one
+    out, v = awm_case(3.0, -2.5, negative_weight=0.5)
+    assert out.pg_loss.item() == pytest.approx(0.25)
+    out.loss.backward()
+    expected = -0.25 * 0.25 * 4**-0.75 * 2 * 2 * 0.5 / 0.25
+    assert v.grad.item() == pytest.approx(expected, rel=1e-5)
+    out, v = awm_case(3.0, -2.5, negative_weight=0.0)
+    out.loss.backward()
+    assert v.grad.item() == 0.0  # below-average samples teach nothing
+    out, v = awm_case(3.0, 2.5, negative_weight=0.0)
+    assert out.pg_loss.item() == pytest.approx(-0.5)  # positive advantages are untouched
+
+
 def test_awm_kl_terms_by_hand():
     out, _ = awm_case(3.0, 2.5, beta=0.1, v_ref=scalar(2.0), anchor_kl=1.0,
                       v_anchor=scalar(3.5))  # fmt: skip

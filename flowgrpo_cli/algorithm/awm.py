@@ -7,7 +7,8 @@ x_t = (1 - t) x0 + t eps: with m = mean((v - (eps - x0))^2) and p = algorithm.aw
 
     logp = -((m + 1e-10)^p - (1e-10)^p) t / p
 
-and the policy gradient is the advantage-weighted gradient of it, A' = clip(A, -c, c) / c:
+and the policy gradient is the advantage-weighted gradient of it, A' = clip(A, -c, c) / c,
+times algorithm.awm_negative_weight where A < 0 (1, the paper's, unless set):
 
     pg = mean_b[ -A' exp(logp - sg(logp)) ]       (= -A' logp in value of its gradient)
     loss = pg + beta mean((v - v_ref)^2) + anchor_kl mean((v - v_anchor)^2)
@@ -65,6 +66,7 @@ def awm_loss(
     *,
     power: float,
     advantage_clip: float,
+    negative_weight: float = 1.0,
     beta: float = 0.0,
     v_ref: torch.Tensor | None = None,
     anchor_kl: float = 0.0,
@@ -77,6 +79,9 @@ def awm_loss(
         raise FlowGrpoError(f"anchor_kl={anchor_kl} needs the anchor's velocity v_anchor")
     log_prob, m = awm_log_prob(v, target, t, power)  # [B]
     weight = advantages.detach().float().clamp(-advantage_clip, advantage_clip) / advantage_clip
+    # Raising a sample's flow-matching error has no floor, unlike lowering it: scaled down,
+    # the below-average samples push the policy away from themselves less.
+    weight = torch.where(weight < 0, weight * negative_weight, weight)
     pg_loss = (-weight * torch.exp(log_prob - log_prob.detach())).mean()
     zero = torch.zeros((), device=v.device)
     kl = velocity_kl(v, v_ref) if v_ref is not None else zero

@@ -433,6 +433,15 @@ class AlgorithmSection:
         "awm: p of the generalised-Huber weighting of the flow-matching loss.",
         check=_in_unit_interval,
     )
+    # Came after runs existed: out of the hash at its default, as the window keys above.
+    awm_negative_weight: float = _option(
+        1.0,
+        "awm: scale of the negative advantages' weights: 1 pushes the flow-matching error of "
+        "below-average samples up as hard as it pulls the others' down (the paper); 0 learns "
+        "from the above-average samples alone.",
+        check=lambda v: None if 0.0 <= v <= 1.0 else "must be in [0, 1]",
+        used_when=lambda algorithm: algorithm.awm_negative_weight != 1.0,
+    )
 
 
 @dataclass

@@ -109,6 +109,7 @@ def backward_micro_batch(
             out = awm_loss(
                 v, noise - x0, t, advantages,
                 power=algorithm.awm_power, advantage_clip=algorithm.advantage_clip,
+                negative_weight=algorithm.awm_negative_weight,
                 beta=algorithm.beta, v_ref=v_ref, anchor_kl=algorithm.anchor_kl,
                 v_anchor=v_anchor,
             )  # fmt: skip
