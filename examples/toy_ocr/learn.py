@@ -20,7 +20,9 @@ so that all six arms finish in about 80 minutes; --parallel 2 gives each a core.
 held-out ones) and is what settings were chosen on; --split test is the held-out result.
 
 Writes OUT/<arm>/curve.jsonl per arm, OUT/learn.png (every arm on one chart) and OUT/learn.md
-(a table of the accuracy each arm reached by each mark).
+(a table of the accuracy each arm reached by each mark). --report-only redraws both from the
+runs as they stand; --with NAME=RUN adds an arm of another learn folder (a variant run with
+--set) to them.
 
 Run (the README's result; then one arm on the validation prompts):
     python examples/toy_ocr/learn.py --out runs/learn
@@ -163,13 +165,26 @@ def run_arm(arm: str, options: argparse.Namespace) -> list[Point]:
     return curve
 
 
-def curve_so_far(arm: str, out: Path) -> list[Point]:
+def has_curve(run: Path) -> bool:
+    """A finished arm (curve.jsonl) or an RL run with evaluations so far (metrics.jsonl)."""
+    return (run / "curve.jsonl").is_file() or (run / "metrics.jsonl").is_file()
+
+
+def curve_so_far(run: Path) -> list[Point]:
     """An arm's curve as it stands: its curve.jsonl when it finished, else (an RL arm stopped
     early) the evaluations its run holds."""
-    saved = out / arm / "curve.jsonl"
+    saved = run / "curve.jsonl"
     if saved.is_file():
         return [Point(**json.loads(line)) for line in saved.read_text().splitlines()]
-    return rl_curve(out / arm)
+    return rl_curve(run)
+
+
+def extra_arm(spec: str) -> tuple[str, Path]:
+    """`NAME=RUN` of --with: an arm of another learn folder, shown under NAME."""
+    name, sep, run = spec.partition("=")
+    if not sep or not name or not has_curve(Path(run)):
+        raise SystemExit(f"--with {spec!r}: expected NAME=RUN, RUN an arm's folder of a learn run")
+    return name, Path(run)
 
 
 def accuracy_by(curve: list[Point], minutes: float) -> Point:
@@ -243,6 +258,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="A config override for every RL arm, as `flowgrpo loop --set` (repeatable).",
     )
+    parser.add_argument(
+        "--with",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="NAME=RUN",
+        help="With --report-only: also chart RUN, an arm of another learn folder, as NAME.",
+    )
     parser.add_argument("--fresh", action="store_true", help="Delete OUT's runs first.")
     parser.add_argument(
         "--report-only",
@@ -254,11 +277,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(ARMS)}")
+    if options.extra and not options.report_only:
+        parser.error("--with charts finished runs: use it with --report-only")
     if options.fresh:
         shutil.rmtree(options.out, ignore_errors=True)
     options.out.mkdir(parents=True, exist_ok=True)
     if options.report_only:
-        curves = {arm: curve_so_far(arm, options.out) for arm in arms}
+        missing = [arm for arm in arms if not has_curve(options.out / arm)]
+        if missing:
+            parser.error(f"--report-only: no run of {', '.join(missing)} in {options.out}")
+        curves = {arm: curve_so_far(options.out / arm) for arm in arms}
+        curves |= {name: curve_so_far(run) for name, run in map(extra_arm, options.extra)}
     else:
         with ThreadPoolExecutor(options.parallel) as pool:
             runs = pool.map(lambda arm: run_arm(arm, options), arms)
