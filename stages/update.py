@@ -257,6 +257,11 @@ def run(
     update_dir, checkpoint_dir = run.stage_dir(iteration, UPDATE), run.checkpoint_dir(iteration)
     if read_manifest(checkpoint_dir) is not None and read_manifest(update_dir) is not None:
         return StageResult(read_manifest(update_dir), read_metrics(update_dir), fresh=False)
+    if config.algorithm.train_cfg and spec(config.algorithm.name).needs_trajectory:
+        raise FlowGrpoError(
+            f"algorithm.train_cfg is for nft and awm; {config.algorithm.name} already trains "
+            "the sampler's own steps, guidance included: leave it false"
+        )
     policy = trainer.policy
     if "pruned" in require_manifest(rollout_dir, ROLLOUT.command):
         raise FlowGrpoError(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from flowgrpo_cli.stages.rollout import iteration_schedule
-from helpers import do_rollout, do_score, do_update
+from helpers import do_rollout, do_score, do_update, policy_for, stored_rows
 from safetensors.torch import load_file
 
 from flowgrpo_cli.algorithm.awm import awm_loss
@@ -24,8 +24,10 @@ from flowgrpo_cli.algorithm.registry import anchor_decay
 from flowgrpo_cli.algorithm.schedule import WindowMotion
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.loop import run_loop
+from flowgrpo_cli.models import Conditioning
 from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.store.trajectory import STEP_COLUMNS, from_record_batch, iter_batches, open_part
+from flowgrpo_cli.training.forward_process import draw, training_guidance
 
 ONE = (1, 1)  # a batch of one sample whose latent is a single element
 
@@ -221,6 +223,62 @@ def test_awm_kl_terms_by_hand():
     # -0.5 + 0.1 * (3 - 2)^2 + 1.0 * (3 - 3.5)^2
     assert out.loss.item() == pytest.approx(-0.5 + 0.1 + 0.25)
     assert (out.kl.item(), out.kl_anchor.item()) == pytest.approx((1.0, 0.25))
+
+
+def _fm_loss_by_hand(config, run, guided: bool) -> float:
+    """The mean flow-matching error of the update's draws under the initial weights, of the
+    conditional velocity v or of v_neg + g (v - v_neg), v_neg a plain forward of the negative
+    prompt's embeddings: the guidance put together here, not by the adapter's CFG batch."""
+    rows, stored = stored_rows(run)
+    adapter = policy_for(config, run).adapter
+    sigmas = adapter.sigmas(config.sampler.num_steps, config.model.height, config.model.width)
+    errors = []
+    for i, sid in enumerate(rows.sample_ids):
+        tensors = {k: v.unsqueeze(0) for k, v in stored[rows.group_ids[i]].items()}
+        positive = Conditioning({k: tensors[k] for k in ("prompt_embeds", "pooled_prompt_embeds")})
+        negative = Conditioning({k: tensors[f"negative_{k}"] for k in positive.tensors})
+        x0 = rows.latents[i : i + 1, -1]
+        draws = draw(config, 0, 0, sid, tuple(x0.shape[1:]), config.sampler.num_steps)
+        for index, noise in zip(draws.indices, draws.noise, strict=True):
+            t = sigmas[index].reshape(1)
+            x_t = noised(x0, noise[None], t)
+            with torch.no_grad():
+                v = adapter.velocity(x_t, t, positive, guidance_scale=1.0)
+                if guided:
+                    v_neg = adapter.velocity(x_t, t, negative, guidance_scale=1.0)
+                    v = v_neg + config.sampler.guidance_scale * (v - v_neg)
+            errors.append(((v - (noise[None] - x0)) ** 2).mean().item())
+    return sum(errors) / len(errors)
+
+
+@pytest.mark.parametrize("train_cfg", [False, True])
+def test_awm_trains_the_guided_velocity_with_train_cfg(make_run, train_cfg):
+    """The images are sampled with CFG 4.5; the update's flow-matching error is that of the
+    conditional velocity by default and of the guided one with algorithm.train_cfg."""
+    config, run = make_run(
+        "algorithm.name=awm", "sampler.noise_level=0", "sampler.guidance_scale=4.5",
+        "algorithm.beta=0", "algorithm.anchor_kl=0", "algorithm.drop_zero_advantage=false",
+        "train.steps_per_epoch=1", f"algorithm.train_cfg={str(train_cfg).lower()}",
+    )  # fmt: skip
+    do_rollout(config, run)
+    do_score(config, run)
+    result, _ = do_update(config, run)  # one optimizer step, after every micro-batch
+    measured = result.metrics["update/fm_loss"]
+    assert measured == pytest.approx(_fm_loss_by_hand(config, run, guided=train_cfg), rel=1e-4)
+    other = _fm_loss_by_hand(config, run, guided=not train_cfg)
+    assert measured != pytest.approx(other, rel=1e-2)
+
+
+def test_train_cfg_is_refused_where_it_cannot_apply(make_run):
+    config, run = make_run("algorithm.train_cfg=true")  # flow_grpo
+    do_rollout(config, run)
+    do_score(config, run)
+    with pytest.raises(FlowGrpoError, match="train_cfg is for nft and awm; flow_grpo"):
+        do_update(config, run)
+    config, _ = make_run("algorithm.name=awm", "algorithm.train_cfg=true", name="awm")
+    with pytest.raises(FlowGrpoError, match="sampled with guidance_scale 1, without CFG"):
+        training_guidance(config, 1.0, guidance_embeds=False)
+    assert training_guidance(config, 4.5, guidance_embeds=False) == 4.5
 
 
 def test_nft_draws_distinct_steps_of_the_grid():

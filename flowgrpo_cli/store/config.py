@@ -442,6 +442,13 @@ class AlgorithmSection:
         check=lambda v: None if 0.0 <= v <= 1.0 else "must be in [0, 1]",
         used_when=lambda algorithm: algorithm.awm_negative_weight != 1.0,
     )
+    train_cfg: bool = _option(
+        False,
+        "nft / awm: train the guided velocity v_neg + g (v - v_neg) the images were sampled "
+        "with (g = sampler.guidance_scale; two forwards per noise level) instead of the "
+        "conditional velocity alone (CFG-free, both papers').",
+        used_when=lambda algorithm: algorithm.train_cfg,
+    )
 
 
 @dataclass

@@ -3,8 +3,9 @@ run the policy (and the anchor and reference, without gradient), backpropagate t
 
 The loss of each noise level is a mean over the micro-batch, scaled by `weight` so that an
 optimizer step's gradient is the mean over its samples and noise levels (over every rank), as
-the flow_grpo update does over trained steps. Training is CFG-free, as in both papers: one
-conditional forward (a guidance-distilled FLUX.1-dev keeps its embedded guidance input).
+the flow_grpo update does over trained steps. Training is CFG-free by default, as in both
+papers: one conditional forward (a guidance-distilled FLUX.1-dev keeps its embedded guidance
+input). algorithm.train_cfg trains the guided velocity the images were sampled with instead.
 """
 
 from __future__ import annotations
@@ -17,12 +18,27 @@ from flowgrpo_cli.algorithm.awm import awm_loss
 from flowgrpo_cli.algorithm.forward import awm_timestep_indices, nft_timestep_indices, noised
 from flowgrpo_cli.algorithm.loss import LossMetrics
 from flowgrpo_cli.algorithm.nft import nft_loss
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import Conditioning
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.seeding import derive_seed
 from flowgrpo_cli.store.trajectory import TrajectoryRows
 from flowgrpo_cli.training.trainer import Trainer
+
+
+def training_guidance(config: Config, guidance_scale: float, guidance_embeds: bool) -> float:
+    """The guidance scale of the trained velocity, given the rollout's: 1 (the conditional
+    velocity) unless algorithm.train_cfg or a guidance-distilled model's embedded input."""
+    if not config.algorithm.train_cfg:
+        return guidance_scale if guidance_embeds else 1.0
+    if guidance_scale <= 1.0:
+        raise FlowGrpoError(
+            f"algorithm.train_cfg: the images were sampled with guidance_scale "
+            f"{guidance_scale:g}, without CFG, so there is no guided velocity to train: "
+            "set sampler.guidance_scale > 1 or leave train_cfg false"
+        )
+    return guidance_scale
 
 
 def train_timestep_count(config: Config, num_steps: int) -> int:
@@ -79,7 +95,9 @@ def backward_micro_batch(
         draw(config, iteration, epoch, sid, tuple(x0.shape[1:]), len(grid))
         for sid in rows.sample_ids
     ]
-    guidance = rollout.sampler.guidance_scale if getattr(adapter, "guidance_embeds", False) else 1.0
+    guidance = training_guidance(
+        config, rollout.sampler.guidance_scale, getattr(adapter, "guidance_embeds", False)
+    )
     count = len(draws[0].indices)
 
     def velocity(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
