@@ -104,7 +104,7 @@ def _sample_and_score(
     from flowgrpo_cli.models import to_pil, to_png
     from flowgrpo_cli.rewards.base import RewardBatch
 
-    conditioning = engine.encode(requests)
+    conditioning = engine.encode(requests, settings.guidance_scale)
     tables = []
     for chunk in batches(requests, batch_size):
         pixels = engine.sample(chunk, conditioning, settings).images

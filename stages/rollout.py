@@ -276,7 +276,7 @@ def _sample_part(
     conditioning_part = _conditioning_name(part)
     if writer.has_part(part) and writer.has_part(conditioning_part):
         return 0
-    conditioning = engine.encode(requests)
+    conditioning = engine.encode(requests, settings.guidance_scale)
     progress.start(label, total=len(requests))
     # Batch k's PNG encoding and part write run on a second thread while batch k + 1 samples:
     # CPU work that an accelerator (or a second core) would otherwise wait for. One batch in

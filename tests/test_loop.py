@@ -75,6 +75,23 @@ def test_zero_iterations_evaluates_the_base_and_trains_nothing(make_run):
     assert result.exit_code == 1 and "eval.every" in result.output, result.output
 
 
+def test_rollouts_without_cfg_are_evaluated_with_it(make_run):
+    """sampler.guidance_scale = 1 beside eval.guidance_scale > 1 (sample and train the
+    conditional velocity, evaluate it as users sample it): the evaluation encodes the negative
+    prompts itself, and scores the base exactly as a run that samples with CFG does."""
+
+    def base_reward(*overrides: str, name: str) -> float:
+        config, run = make_run(*overrides, "eval.every=1", "eval.num_steps=2",
+                               "eval.num_prompts=2", name=name)  # fmt: skip
+        run_loop(config, run, 1)
+        return json.loads((run.eval_dir(0) / "metrics.json").read_text())["eval/reward_mean"]
+
+    cfg_free = base_reward("sampler.guidance_scale=1.0", "eval.guidance_scale=4.5", name="a")
+    guided = base_reward("sampler.guidance_scale=4.5", "eval.guidance_scale=4.5", name="b")
+    unguided = base_reward("sampler.guidance_scale=1.0", "eval.guidance_scale=1.0", name="c")
+    assert cfg_free == guided != unguided
+
+
 def test_report_without_metrics_is_a_clear_error(tmp_path):
     from typer.testing import CliRunner
 

@@ -42,6 +42,5 @@ def build_engine(config: Config, policy: Policy) -> RolloutEngine:
     return engine_class(config.sampler.engine)(
         policy,
         max_sequence_length=config.model.max_sequence_length,
-        guidance_scale=config.sampler.guidance_scale,
         merge_lora=config.sampler.merge_lora,
     )

@@ -35,8 +35,11 @@ class RolloutEngine(Protocol):
         """Which policy weights the engine samples with (recorded in the rollout manifest)."""
         ...
 
-    def encode(self, requests: list[SampleRequest]) -> dict[int, Conditioning]:
-        """Text conditioning per group id (one row each), for the requests' groups."""
+    def encode(
+        self, requests: list[SampleRequest], guidance_scale: float
+    ) -> dict[int, Conditioning]:
+        """Text conditioning per group id (one row each), for the requests' groups, with the
+        negative prompts' embeddings when they will be sampled with CFG (guidance_scale > 1)."""
         ...
 
     def sigmas(self, settings: SamplerSettings) -> torch.Tensor:

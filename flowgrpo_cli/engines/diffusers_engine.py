@@ -25,12 +25,10 @@ class DiffusersEngine:
         policy: Policy,
         *,
         max_sequence_length: int,
-        guidance_scale: float,
         merge_lora: bool = False,
     ):
         self.policy = policy
         self.max_sequence_length = max_sequence_length or None
-        self.guidance_scale = guidance_scale
         self.merge_lora = merge_lora
         if merge_lora:
             policy.check_mergeable()
@@ -48,7 +46,9 @@ class DiffusersEngine:
             self._sigmas[key] = self.policy.adapter.sigmas(*key)
         return self._sigmas[key]
 
-    def encode(self, requests: list[SampleRequest]) -> dict[int, Conditioning]:
+    def encode(
+        self, requests: list[SampleRequest], guidance_scale: float
+    ) -> dict[int, Conditioning]:
         firsts: dict[int, SampleRequest] = {}
         for request in requests:
             firsts.setdefault(request.group_id, request)
@@ -57,7 +57,7 @@ class DiffusersEngine:
             out[group_id] = self.policy.adapter.encode_prompts(
                 [request.prompt],
                 [request.negative_prompt],
-                guidance_scale=self.guidance_scale,
+                guidance_scale=guidance_scale,
                 max_sequence_length=self.max_sequence_length,
                 system_prompt=request.system_prompt or None,
             )

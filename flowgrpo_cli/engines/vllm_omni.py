@@ -109,7 +109,6 @@ class VllmOmniEngine:
         policy: Policy,
         *,
         max_sequence_length: int,
-        guidance_scale: float,
         merge_lora: bool = False,
         omni_kwargs: dict[str, Any] | None = None,
     ):
@@ -132,9 +131,7 @@ class VllmOmniEngine:
             )
         self.policy = policy
         # Text conditioning is the policy adapter's, exactly as the diffusers engine makes it.
-        self._text = DiffusersEngine(
-            policy, max_sequence_length=max_sequence_length, guidance_scale=guidance_scale
-        )
+        self._text = DiffusersEngine(policy, max_sequence_length=max_sequence_length)
         self._omni_kwargs = {**_env_omni_kwargs(), **(omni_kwargs or {})}
         self._omni: Any = None
         self._adapter: _ExportedAdapter | None = None
@@ -146,8 +143,10 @@ class VllmOmniEngine:
     def version(self) -> str:
         return self.policy.version
 
-    def encode(self, requests: list[SampleRequest]) -> dict[int, Conditioning]:
-        return self._text.encode(requests)
+    def encode(
+        self, requests: list[SampleRequest], guidance_scale: float
+    ) -> dict[int, Conditioning]:
+        return self._text.encode(requests, guidance_scale)
 
     check_available = staticmethod(require_vllm_omni)  # engine_class() calls it when chosen
 

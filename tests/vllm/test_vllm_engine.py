@@ -172,7 +172,6 @@ def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, byt
     engine = DiffusersEngine(
         policy,
         max_sequence_length=config.model.max_sequence_length,
-        guidance_scale=config.sampler.guidance_scale,
     )
     requests = _requests(config, run)
     settings = SamplerSettings(
@@ -183,7 +182,7 @@ def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, byt
         width=config.model.width,
         schedule=build_step_schedule(config.eval.num_steps),
     )
-    sampled = engine.sample(requests, engine.encode(requests), settings)
+    sampled = engine.sample(requests, engine.encode(requests, settings.guidance_scale), settings)
     return dict(zip([r.sample_id for r in requests], to_png(sampled.images), strict=True))
 
 
@@ -221,14 +220,13 @@ def _resampled_by_diffusers(looped, iteration: int, weights_of: int):
     engine = DiffusersEngine(
         _policy_at(config, run, weights_of),
         max_sequence_length=config.model.max_sequence_length,
-        guidance_scale=config.sampler.guidance_scale,
     )
     requests = build_requests(
         config, run, iteration, list(range(config.algorithm.prompts_per_iteration))
     )
     by_id = {r.sample_id: r for r in requests}
     settings = sampler_settings(config, iteration)
-    conditioning = engine.encode(requests)
+    conditioning = engine.encode(requests, settings.guidance_scale)
     for batch in iter_batches(parts):
         rows = from_record_batch(batch)
         chunk = [by_id[sid] for sid in rows.sample_ids]
@@ -305,4 +303,4 @@ def test_engine_says_how_to_install_vllm_omni(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm_omni", None)  # import vllm_omni now fails
     with pytest.raises(FlowGrpoError, match="just setup-vllm"):
-        VllmOmniEngine(None, max_sequence_length=0, guidance_scale=1.0)
+        VllmOmniEngine(None, max_sequence_length=0)
