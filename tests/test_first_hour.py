@@ -94,10 +94,14 @@ def test_a_misspelt_override_blames_the_override(tmp_path):
         ), result.output
 
 
-def test_version_and_shell_completion():
+def test_version_and_shell_completion(monkeypatch):
+    import typer.completion
+
     from flowgrpo_cli import __version__
 
     result = invoke("--version")
     assert result.exit_code == 0 and result.output.strip() == f"flowgrpo {__version__}"
-    result = invoke("--show-completion", "bash")
+    # typer finds the shell from the parent processes, which a detached test run lacks
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
+    result = invoke("--show-completion")
     assert result.exit_code == 0 and "complete" in result.output and "flowgrpo" in result.output
