@@ -78,10 +78,10 @@ def main() -> None:
         schedule=build_step_schedule(args.steps),
     )
     engines = {
-        name: cls(policy, max_sequence_length=0, guidance_scale=4.0)
+        name: cls(policy, max_sequence_length=0)
         for name, cls in (("diffusers", DiffusersEngine), ("vllm-omni", VllmOmniEngine))
     }
-    conditioning = engines["diffusers"].encode(requests)
+    conditioning = engines["diffusers"].encode(requests, settings.guidance_scale)
 
     def timed(name: str):
         started = time.perf_counter()
