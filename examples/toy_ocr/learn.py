@@ -210,7 +210,7 @@ def write_table(curves: dict[str, list[Point]], marks: Sequence[float], path: Pa
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(curves: dict[str, list[Point]], path: Path, title: str, xlabel: str) -> None:
+def plot(curves: dict[str, list[Point]], path: Path, title: str, xlabel: str, prompts: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +223,7 @@ def plot(curves: dict[str, list[Point]], path: Path, title: str, xlabel: str) ->
         minutes = [p.minutes for p in curve]
         left.plot(minutes, [p.accuracy for p in curve], marker="o", ms=3, label=label, **style)
         right.plot(minutes, [p.exact for p in curve], marker="o", ms=3, label=label, **style)
-    left.set_ylabel("held-out OCR accuracy")
+    left.set_ylabel(f"{prompts} OCR accuracy")
     right.set_ylabel("exact-match rate")
     for ax in (left, right):
         ax.set_xlabel(xlabel)
@@ -295,9 +295,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     marks = [m for m in (5, 10, 15, 20, 30, 45, 60) if m < options.minutes] + [options.minutes]
     write_table(curves, marks, options.out / "learn.md")
     prompts = {"test": "held-out", "val": "validation"}[options.split]
-    title = f"toy OCR base, {prompts} prompts, ODE, CFG 4"
+    title = f"toy OCR base, {prompts} prompts, ODE, CFG 4 unless named"
     xlabel = f"training minutes ({options.parallel} arms at a time, {options.threads} thread each)"
-    plot(curves, options.out / "learn.png", title, xlabel)
+    plot(curves, options.out / "learn.png", title, xlabel, prompts)
     print(f"wrote {options.out / 'learn.md'} and {options.out / 'learn.png'}")
 
 
