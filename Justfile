@@ -76,6 +76,11 @@ toy-ocr-pretrain: setup
 learn *ARGS: setup
     {{python}} examples/toy_ocr/learn.py {{ARGS}}
 
+# To choose the CFG scale an RL arm is scored at on the validation prompts (README, "Does it learn?"):
+# its checkpoints scored again at other scales, `just rescore runs/learn/awm --guidance 1,2,4`.
+rescore *ARGS: setup
+    {{python}} examples/toy_ocr/rescore.py {{ARGS}}
+
 # AWM on 4 training prompts of the toy OCR base, 16 images each: their rollout reward (printed
 # per iteration) must climb toward 1 within minutes. On your own run: the same --set options
 # on its config (README, "When a run is flat").

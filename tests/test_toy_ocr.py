@@ -1,9 +1,10 @@
-"""The toy OCR example: its prompt files, its RL config, and pre-training, shortened.
+"""The toy OCR example: its prompt files, its RL config, pre-training (shortened) and rescoring.
 
 A few steps of each pre-training phase into a temporary folder, then the saved pipeline loads
 through flowgrpo's adapter and draws a 32x96 image, the way `flowgrpo loop` will use it.
 """
 
+import argparse
 import importlib.util
 import itertools
 import json
@@ -65,7 +66,9 @@ def test_prompt_files_are_current_and_disjoint(tmp_path, monkeypatch):
 def test_rl_config_validates_and_points_at_the_example(name):
     config = load_config(TOY / f"{name}.toml")
     assert config.algorithm.name == (name[3:] or "flow_grpo")
-    assert (config.eval.num_steps, config.eval.guidance_scale) == (20, 4.0)  # one evaluation
+    assert config.eval.num_steps == 20  # one evaluation: the same steps, prompts and noise, at
+    # the CFG scale chosen on validation (AWM's policy is sampled CFG-free and reads best at 1.5)
+    assert config.eval.guidance_scale == (1.5 if name == "rl_awm" else 4.0)
     assert (config.model.height, config.model.width) == (32, 96)
     assert config.model.max_sequence_length == 32
     assert config.reward.weights == {"ocr": 1.0}
@@ -89,6 +92,21 @@ def test_learning_curve_counts_training_time_before_each_evaluation(tmp_path, mo
     learn.write_table({"awm": curve}, [1, 3, 5], tmp_path / "learn.md")
     row = (tmp_path / "learn.md").read_text().splitlines()[2]
     assert row == "| awm | 0.300 | 0.400 | - | 0.400 (5%) at 3.0 min |"  # stopped before 5
+
+
+def test_chart_labels_name_an_arms_cfg_scales_and_levels_parse(tmp_path, monkeypatch):
+    learn = _import("learn", monkeypatch)
+    for arm, sampled, scored in (("awm", 1.0, 1.5), ("nft", 4.0, 4.0)):
+        (tmp_path / arm).mkdir()
+        scales = f"[sampler]\nguidance_scale = {sampled}\n[eval]\nguidance_scale = {scored}\n"
+        (tmp_path / arm / "config.toml").write_text(scales)
+    assert learn.arm_label("awm", tmp_path) == "awm, sampled at CFG 1, scored at 1.5"
+    assert learn.arm_label("nft", tmp_path) == "nft"  # the usual CFG 4 goes unsaid
+    assert learn.arm_label("pretrain", tmp_path) == "pretrain"
+    assert learn.level("base, CFG 4=0.567") == ("base, CFG 4", 0.567)
+    for bad in ("0.567", "base=", "base=high", "base=1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="LABEL=ACCURACY"):
+            learn.level(bad)
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +276,15 @@ def test_one_rl_iteration_on_the_pretrained_model_then_evaluate(pretrained, tmp_
     assert (checkpoint / "pytorch_lora_weights.safetensors").is_file()
     report = subprocess.run([*flowgrpo, "report", str(run)], env=env, capture_output=True)
     assert report.returncode == 0, report.stderr[-3000:]
+
+    # Rescored at the run's own scale, the exported checkpoints repeat the loop's evaluations.
+    rescore = _import("rescore", monkeypatch)
+    curves = rescore.rescore(run, [4.0, 1.0], stride=1, threads=1)
+    in_loop = [(r["eval/ocr_mean"], r["eval/ocr_exact"]) for r in evals]
+    assert [(p.accuracy, p.exact) for p in curves[4.0]] == in_loop
+    saved = (run / "rescored" / "cfg1" / "curve.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in saved] == [p.step for p in curves[1.0]] == [0, 1]
+    assert not any((run / "rescored" / "exports").iterdir())  # only the scores stay
 
     evaluate = _import("evaluate", monkeypatch)
     base = evaluate.score(pretrained / "model", (4.0, 1.0), group_size=2, num_prompts=2)

@@ -22,7 +22,7 @@ held-out ones) and is what settings were chosen on; --split test is the held-out
 Writes OUT/<arm>/curve.jsonl per arm, OUT/learn.png (every arm on one chart) and OUT/learn.md
 (a table of the accuracy each arm reached by each mark). --report-only redraws both from the
 runs as they stand; --with NAME=RUN adds an arm of another learn folder (a variant run with
---set) to them.
+--set, or an arm's curve at another CFG scale from rescore.py) to them.
 
 Run (the README's result; then one arm on the validation prompts):
     python examples/toy_ocr/learn.py --out runs/learn
@@ -103,7 +103,7 @@ def run_rl(
     iterations = 0
     while True:
         loop = ["loop", "--config", str(config), "--run", str(run), "-n", str(iterations)]
-        _call([flowgrpo(), *loop, *sets], threads, log)
+        call([flowgrpo(), *loop, *sets], threads, log)
         curve = rl_curve(run)
         if curve[-1].minutes >= minutes:
             return curve
@@ -119,7 +119,7 @@ def run_pretrain(
     # Its own evaluation of 10 prompts only: the curve is flowgrpo's evaluation, below.
     options += ["--eval-prompts", "10", *resume]
     pretrain = [sys.executable, str(HERE / "pretrain.py"), "--out", str(run)]
-    _call([*pretrain, "--init-from", str(base), *options], threads, log)
+    call([*pretrain, "--init-from", str(base), *options], threads, log)
     scored = out / "pretrain-eval"
     points = [Point(0.0, *_flowgrpo_eval(base, scored / "step-00000", split, threads, log), 0)]
     for line in (run / "eval.jsonl").read_text().splitlines():
@@ -138,12 +138,12 @@ def _flowgrpo_eval(
     settings and seed): `flowgrpo loop -n 0` evaluates the model it starts from."""
     loop = ["loop", "--config", str(rl_config("flow_grpo")), "--run", str(run), "-n", "0"]
     sets = [f"model.path={model}", f"data.test={split}", "eval.num_prompts=0"]
-    _call([flowgrpo(), *loop, *(arg for key in sets for arg in ("--set", key))], threads, log)
+    call([flowgrpo(), *loop, *(arg for key in sets for arg in ("--set", key))], threads, log)
     metrics = json.loads((run / "eval" / "iter-000000" / "metrics.json").read_text())
     return metrics["eval/ocr_mean"], metrics["eval/ocr_exact"]
 
 
-def _call(argv: list[str], threads: int, log: Path) -> None:
+def call(argv: list[str], threads: int, log: Path) -> None:
     """Run a command with `threads` torch threads, its output appended to `log`."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     with log.open("a") as out:
@@ -179,12 +179,39 @@ def curve_so_far(run: Path) -> list[Point]:
     return rl_curve(run)
 
 
+def arm_label(arm: str, out: Path) -> str:
+    """The arm's name, with its CFG scales where its run samples or is scored at another scale
+    than the evaluation's usual 4."""
+    config = out / arm / "config.toml"
+    if arm == "pretrain" or not config.is_file():
+        return arm
+    scales = tomllib.loads(config.read_text())
+    sampled, scored = scales["sampler"]["guidance_scale"], scales["eval"]["guidance_scale"]
+    return (
+        arm
+        if sampled == scored == 4
+        else f"{arm}, sampled at CFG {sampled:g}, scored at {scored:g}"
+    )
+
+
 def extra_arm(spec: str) -> tuple[str, Path]:
     """`NAME=RUN` of --with: an arm of another learn folder, shown under NAME."""
     name, sep, run = spec.partition("=")
     if not sep or not name or not has_curve(Path(run)):
         raise SystemExit(f"--with {spec!r}: expected NAME=RUN, RUN an arm's folder of a learn run")
     return name, Path(run)
+
+
+def level(spec: str) -> tuple[str, float]:
+    """`LABEL=ACCURACY` of --level."""
+    label, _, value = spec.rpartition("=")
+    try:
+        accuracy = float(value)
+    except ValueError:
+        accuracy = -1.0
+    if not label or not 0 <= accuracy <= 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected LABEL=ACCURACY, e.g. 'base=0.567'")
+    return label, accuracy
 
 
 def accuracy_by(curve: list[Point], minutes: float) -> Point:
@@ -210,7 +237,16 @@ def write_table(curves: dict[str, list[Point]], marks: Sequence[float], path: Pa
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(curves: dict[str, list[Point]], path: Path, title: str, xlabel: str, prompts: str) -> None:
+def plot(
+    curves: dict[str, list[Point]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    prompts: str,
+    levels: Sequence[tuple[str, float]] = (),
+) -> None:
+    """Accuracy and exact-match rate against minutes; `levels` are (label, accuracy) lines drawn
+    across the accuracy panel, such as the base's level and the goal above it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,6 +259,8 @@ def plot(curves: dict[str, list[Point]], path: Path, title: str, xlabel: str, pr
         minutes = [p.minutes for p in curve]
         left.plot(minutes, [p.accuracy for p in curve], marker="o", ms=3, label=label, **style)
         right.plot(minutes, [p.exact for p in curve], marker="o", ms=3, label=label, **style)
+    for (label, accuracy), color in zip(levels, ("gray", "firebrick", "darkgreen"), strict=False):
+        left.axhline(accuracy, color=color, linestyle=":", linewidth=1, label=label)
     left.set_ylabel(f"{prompts} OCR accuracy")
     right.set_ylabel("exact-match rate")
     for ax in (left, right):
@@ -266,6 +304,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         metavar="NAME=RUN",
         help="With --report-only: also chart RUN, an arm of another learn folder, as NAME.",
     )
+    parser.add_argument(
+        "--level",
+        dest="levels",
+        type=level,
+        action="append",
+        default=[],
+        metavar="LABEL=ACCURACY",
+        help="A horizontal line on the accuracy chart, e.g. 'base, CFG 4=0.567' (repeatable).",
+    )
     parser.add_argument("--fresh", action="store_true", help="Delete OUT's runs first.")
     parser.add_argument(
         "--report-only",
@@ -286,18 +333,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         missing = [arm for arm in arms if not has_curve(options.out / arm)]
         if missing:
             parser.error(f"--report-only: no run of {', '.join(missing)} in {options.out}")
-        curves = {arm: curve_so_far(options.out / arm) for arm in arms}
+        curves = {arm_label(arm, options.out): curve_so_far(options.out / arm) for arm in arms}
         curves |= {name: curve_so_far(run) for name, run in map(extra_arm, options.extra)}
     else:
         with ThreadPoolExecutor(options.parallel) as pool:
             runs = pool.map(lambda arm: run_arm(arm, options), arms)
-            curves = dict(zip(arms, runs, strict=True))
+            curves = {arm_label(arm, options.out): run for arm, run in zip(arms, runs, strict=True)}
     marks = [m for m in (5, 10, 15, 20, 30, 45, 60) if m < options.minutes] + [options.minutes]
     write_table(curves, marks, options.out / "learn.md")
     prompts = {"test": "held-out", "val": "validation"}[options.split]
     title = f"toy OCR base, {prompts} prompts, ODE, CFG 4 unless named"
     xlabel = f"training minutes ({options.parallel} arms at a time, {options.threads} thread each)"
-    plot(curves, options.out / "learn.png", title, xlabel, prompts)
+    plot(curves, options.out / "learn.png", title, xlabel, prompts, options.levels)
     print(f"wrote {options.out / 'learn.md'} and {options.out / 'learn.png'}")
 
 
