@@ -32,6 +32,7 @@ Run (the README's result; then one arm on the validation prompts):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ SPLITS = {"val": HERE / "prompts" / "val.txt", "test": HERE / "prompts" / "test.
 # start to end, the other algorithms follow as they finish.
 ARMS = ("awm", "flow_grpo", "pretrain", "nft", "grpo_guard", "mixgrpo")
 STAGE_SECONDS = ("rollout/seconds", "score/seconds", "update/seconds")
+START_EVAL = Path("eval/iter-000000/metrics.json")  # a run's evaluation of the model it starts from
 
 
 @dataclass(frozen=True)
@@ -121,25 +123,38 @@ def run_pretrain(
     pretrain = [sys.executable, str(HERE / "pretrain.py"), "--out", str(run)]
     call([*pretrain, "--init-from", str(base), *options], threads, log)
     scored = out / "pretrain-eval"
-    points = [Point(0.0, *_flowgrpo_eval(base, scored / "step-00000", split, threads, log), 0)]
+    points = [Point(0.0, *_pretrain_eval(base, scored / "step-00000", split, threads, log), 0)]
     for line in (run / "eval.jsonl").read_text().splitlines():
         record = json.loads(line)
         name = f"step-{record['step']:05d}"
         checkpoint = run / "checkpoints" / name
-        accuracy = _flowgrpo_eval(checkpoint, scored / name, split, threads, log)
+        accuracy = _pretrain_eval(checkpoint, scored / name, split, threads, log)
         points.append(Point(record["train_minutes"], *accuracy, record["step"]))
     return points
 
 
-def _flowgrpo_eval(
+def _pretrain_eval(
     model: Path, run: Path, split: Path, threads: int, log: Path
 ) -> tuple[float, float]:
     """(accuracy, exact) of a pipeline folder under the RL arms' evaluation (rl.toml's eval
-    settings and seed): `flowgrpo loop -n 0` evaluates the model it starts from."""
-    loop = ["loop", "--config", str(rl_config("flow_grpo")), "--run", str(run), "-n", "0"]
+    settings and seed)."""
     sets = [f"model.path={model}", f"data.test={split}", "eval.num_prompts=0"]
+    return flowgrpo_eval(rl_config("flow_grpo"), run, sets, threads, log)
+
+
+def flowgrpo_eval(
+    config: Path, run: Path, sets: Sequence[str], threads: int, log: Path
+) -> tuple[float, float]:
+    """(accuracy, exact) of `flowgrpo loop -n 0` under CONFIG and SETS into the new run folder
+    RUN: the loop evaluates the model it starts from (model.path) and stops."""
+    loop = ["loop", "--config", str(config), "--run", str(run), "-n", "0"]
     call([flowgrpo(), *loop, *(arg for key in sets for arg in ("--set", key))], threads, log)
-    metrics = json.loads((run / "eval" / "iter-000000" / "metrics.json").read_text())
+    return eval_of(run)
+
+
+def eval_of(run: Path) -> tuple[float, float]:
+    """(accuracy, exact) of the evaluation `flowgrpo loop -n 0` wrote into RUN."""
+    metrics = json.loads((run / START_EVAL).read_text())
     return metrics["eval/ocr_mean"], metrics["eval/ocr_exact"]
 
 
@@ -159,10 +174,14 @@ def run_arm(arm: str, options: argparse.Namespace) -> list[Point]:
         )
     else:
         curve = run_rl(arm, options.out, options.minutes, split, options.threads, options.set)
-    with (options.out / arm / "curve.jsonl").open("w") as f:
-        f.writelines(json.dumps(asdict(point)) + "\n" for point in curve)
+    write_curve(curve, options.out / arm / "curve.jsonl")
     print(f"{arm}: " + ", ".join(f"{p.minutes:.1f} min {p.accuracy:.3f}" for p in curve))
     return curve
+
+
+def write_curve(curve: list[Point], path: Path) -> None:
+    with path.open("w") as f:
+        f.writelines(json.dumps(asdict(point)) + "\n" for point in curve)
 
 
 def has_curve(run: Path) -> bool:
@@ -259,7 +278,9 @@ def plot(
         minutes = [p.minutes for p in curve]
         left.plot(minutes, [p.accuracy for p in curve], marker="o", ms=3, label=label, **style)
         right.plot(minutes, [p.exact for p in curve], marker="o", ms=3, label=label, **style)
-    for (label, accuracy), color in zip(levels, ("gray", "firebrick", "darkgreen"), strict=False):
+    for (label, accuracy), color in zip(
+        levels, itertools.cycle(("gray", "firebrick", "darkgreen"))
+    ):
         left.axhline(accuracy, color=color, linestyle=":", linewidth=1, label=label)
     left.set_ylabel(f"{prompts} OCR accuracy")
     right.set_ylabel("exact-match rate")

@@ -22,15 +22,13 @@ Run (the sweep on the validation run, then the chosen scale on the held-out run)
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tomllib
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
-from learn import Point, call, flowgrpo, rl_curve
+from learn import START_EVAL, Point, call, eval_of, flowgrpo, flowgrpo_eval, rl_curve, write_curve
 
 
 def scales(text: str) -> list[float]:
@@ -67,21 +65,17 @@ def rescore(
         export = out / "exports" / name
         for scale in guidance:
             folder = out / f"cfg{scale:g}" / name
-            metrics = folder / "eval" / "iter-000000" / "metrics.json"
-            if not metrics.is_file():
+            if (folder / START_EVAL).is_file():
+                accuracy, exact = eval_of(folder)
+            else:
                 model = base if point.step == 0 else _exported(run, point.step - 1, export, log)
                 sets = [f"model.path={model}", f"eval.guidance_scale={scale}"]
-                loop = ["loop", "--config", str(run / "config.toml"), "--run", str(folder)]
-                loop += ["-n", "0", *(arg for key in sets for arg in ("--set", key))]
-                call([flowgrpo(), *loop], threads, log)
-            scored = json.loads(metrics.read_text())
-            accuracy, exact = scored["eval/ocr_mean"], scored["eval/ocr_exact"]
+                accuracy, exact = flowgrpo_eval(run / "config.toml", folder, sets, threads, log)
             curves[scale].append(Point(point.minutes, accuracy, exact, point.step))
             print(f"{name} cfg {scale:g}: {accuracy:.3f} ({exact:.0%} exact)", flush=True)
         shutil.rmtree(export, ignore_errors=True)  # scored at every scale: only the scores stay
     for scale, points in curves.items():
-        with (out / f"cfg{scale:g}" / "curve.jsonl").open("w") as f:
-            f.writelines(json.dumps(asdict(point)) + "\n" for point in points)
+        write_curve(points, out / f"cfg{scale:g}" / "curve.jsonl")
     return curves
 
 
