@@ -146,10 +146,40 @@ def loop_command(run_root: Path) -> list[str]:
             "--iterations", str(ITERATIONS)]  # fmt: skip
 
 
-def run_until(run_root: Path, marker: Path | Callable[[], bool]) -> None:
-    """Start the loop, SIGKILL it as soon as `marker` exists (or is true), or let it finish."""
+# `python -m flowgrpo_cli` whose atomic writes into the folder argv[1] stall before the rename:
+# a kill "mid-save" then lands there every time, where a poll of a millisecond-long window
+# can miss it and let the run finish. Patched before the CLI imports `atomic_file` by name.
+_PAUSING_WRITER = """
+import contextlib, sys, time
+from pathlib import Path
+import flowgrpo_cli.store.rundir as rundir
+folder = Path(sys.argv.pop(1))
+real = rundir.atomic_file
+
+@contextlib.contextmanager
+def pausing(path, mode="wb"):
+    with real(path, mode) as handle:
+        yield handle
+        if Path(path).parent == folder:
+            handle.flush()
+            time.sleep(600)
+
+rundir.atomic_file = pausing
+from flowgrpo_cli.cli import main
+main()
+"""
+
+
+def run_until(
+    run_root: Path, marker: Path | Callable[[], bool], *, pause_in: Path | None = None
+) -> None:
+    """Start the loop, SIGKILL it as soon as `marker` exists (or is true), or let it finish.
+    `pause_in`: every file written into that folder stalls before its rename."""
     happened = marker.exists if isinstance(marker, Path) else marker
-    proc = subprocess.Popen(loop_command(run_root), stdout=subprocess.DEVNULL,
+    command = loop_command(run_root)
+    if pause_in is not None:
+        command[1:3] = ["-c", _PAUSING_WRITER, str(pause_in)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
@@ -195,8 +225,9 @@ def test_a_late_kill_loses_no_log_line_grid_or_temp_file(make_run):
     the re-run ends with every metrics line and grid, and no temporary file anywhere."""
     _, run = make_run("eval.every=2", "eval.num_steps=2", "eval.num_prompts=2")
     last_checkpoint = run.checkpoint_dir(ITERATIONS - 1)
+    run_until(run.root, lambda: any(last_checkpoint.glob("*.tmp-*")), pause_in=last_checkpoint)
+    assert not (last_checkpoint / "manifest.json").exists()  # the kill landed mid-save
     kills = [
-        lambda: any(last_checkpoint.glob("*.tmp-*")),  # mid-save
         last_checkpoint / "manifest.json",  # after the last checkpoint, before the log
         run.eval_dir(ITERATIONS) / "pending.json",  # during the final evaluation
     ]
