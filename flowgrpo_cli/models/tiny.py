@@ -139,11 +139,14 @@ def _t5_encoder():
     )
 
 
+_DECODER_OUTPUT_GAIN = 16.0
+
+
 def _autoencoder_kl(*, scaling_factor: float, shift_factor: float):
     from diffusers import AutoencoderKL
 
     # Four levels: the 8x spatial compression of the real SD3 / FLUX VAEs.
-    return AutoencoderKL(
+    vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,
         down_block_types=["DownEncoderBlock2D"] * 4,
@@ -158,6 +161,13 @@ def _autoencoder_kl(*, scaling_factor: float, shift_factor: float):
         shift_factor=shift_factor,
         sample_size=64,
     )
+    # A random decoder's last GroupNorm hands conv_out activations of unit scale, so its images
+    # sit in a grey band (pixel std 0.17 on random latents) that no latent can leave: an image
+    # reward then has almost nothing to climb. A trained VAE draws from black to white; raising
+    # that norm's gain gives the tiny one the same reach (pixel std 0.46, most pixels near 0 or 1).
+    with torch.no_grad():
+        vae.decoder.conv_norm_out.weight.mul_(_DECODER_OUTPUT_GAIN)
+    return vae
 
 
 def _build_sd3(*, sd35: bool):
