@@ -10,9 +10,9 @@ the example's sampler and algorithm settings (64x64 images, 2 prompts x 4 images
 - conditioning: the measured bytes per element x SD3.5-M's text conditioning per prompt
   (CLIP + T5 embeddings [77 + 256, 4096] and the pooled [2048], each with its negative for
   CFG);
-- images: the measured PNG bytes per pixel of the tiny model's images (random-looking, so an
-  upper bound for a real model's) x 512 x 512, plus the measured per-image bytes of every
-  other column (ids, prompt, per-step sigmas and log-probs);
+- images: an upper bound, the rollout's PNG encoding of a 512 x 512 image of uniform noise
+  (which no compression shrinks; any real image is smaller), plus the measured per-image bytes
+  of every other column (ids, prompt, per-step sigmas and log-probs);
 - scores, advantages, metrics: measured per image.
 
 Checkpoints are not counted (one per iteration: the LoRA weights and the optimizer state).
@@ -33,8 +33,8 @@ CLIP_TOKENS, SD3_T5_TOKENS, JOINT_DIM, POOLED_DIM = 77, 256, 4096, 2048  # the p
 
 
 def measure(workdir: Path) -> dict[str, float]:
-    """Bytes per latent element, per conditioning element, per PNG pixel and per image
-    (the rest), from one tiny rollout and its scores."""
+    """Bytes per latent element, per conditioning element and per image (the rest), from one
+    tiny rollout and its scores; PNG bytes per pixel at most, from an image of noise."""
     import io
 
     import numpy as np
@@ -43,6 +43,7 @@ def measure(workdir: Path) -> dict[str, float]:
     from flowgrpo_cli.stages import prepare, rollout, score
 
     from flowgrpo_cli.engines import build_engine
+    from flowgrpo_cli.models import to_png
     from flowgrpo_cli.models.tiny import build_tiny_pipeline
     from flowgrpo_cli.store.config import dumps_config, load_config
     from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir
@@ -87,11 +88,11 @@ def measure(workdir: Path) -> dict[str, float]:
             cond_elements += array.size
             cond_bytes += len(cell)
     scores = sum(p.stat().st_size for p in run.stage_dir(0, SCORE).glob("*.arrow"))
-    pixels = config.model.height * config.model.width * images
+    noise = torch.rand((1, 3, 512, 512), generator=torch.Generator().manual_seed(0))
     return {
         "latent_bytes_per_element": latent_bytes / latent_elements,
         "conditioning_bytes_per_element": cond_bytes / cond_elements,
-        "png_bytes_per_pixel": png_bytes / pixels,
+        "png_bytes_per_pixel": len(to_png(noise)[0]) / (512 * 512),
         "other_bytes_per_image": (part_bytes - latent_bytes - png_bytes) / images,
         "score_bytes_per_image": scores / images,
     }
@@ -133,7 +134,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="flowgrpo-disk-") as scratch:
         measured = measure(Path(scratch))
-    print("measured on the tiny model: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
+    print("measured: " + ", ".join(f"{k} {v:.3g}" for k, v in measured.items()))
     print(f"\n| {EXAMPLE.name}, 512 px | per iteration | {ITERATIONS:,} iterations |")
     print("|---|---|---|")
     for row in project(measured):
