@@ -37,8 +37,10 @@ demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
     flowgrpo="{{venv}}/bin/flowgrpo"
-    [ -f runs/models/tiny-sd3/model_index.json ] || "$flowgrpo" tiny-model --family sd3 runs/models/tiny-sd3
-    "$flowgrpo" loop --config examples/tiny.toml --iterations 10
+    # Rebuilt every time (a second; seeded, so the same bytes): a folder left by an older
+    # version of the tiny model is replaced rather than trained on.
+    "$flowgrpo" tiny-model --family sd3 runs/models/tiny-sd3
+    "$flowgrpo" loop --config examples/tiny.toml --iterations 30
     "$flowgrpo" report runs/tiny
 
 # Flow-GRPO with the OCR reward on the committed 3.7M-parameter base (examples/toy_ocr/base),
