@@ -27,7 +27,7 @@ setup:
         touch "$stamp"
     fi
 
-# Any flowgrpo command, in the venv `setup` made: `just flowgrpo loop -n 20 --run runs/tiny`.
+# Any flowgrpo command, in the venv `setup` made: `just flowgrpo loop -n 40 --run runs/tiny`.
 [positional-arguments]
 flowgrpo *ARGS: setup
     "{{venv}}/bin/flowgrpo" "$@"
