@@ -4,7 +4,7 @@ Name this folder in the config's `reward.plugin_dirs` and `brightness:score` in 
 table (examples/tiny.toml does):
 
     [reward]
-    plugin_dirs = ["examples/plugins"]
+    plugin_dirs = ["plugins"]   # relative to the config file
 
     [reward.weights]
     ocr = 1.0

@@ -37,12 +37,13 @@ def _option(
     help: str,
     *,
     check: Check | None = None,
-    path: Literal["", "local", "hub"] = "",
+    path: Literal["", "local", "hub", "output"] = "",
     affects_results: bool = True,
     used_when: Callable[[Any], bool] | None = None,
 ) -> Any:
     """A config key: its default, the help the reference prints, a check of its value, and
-    whether it is a `local` path (stored absolute) or a `hub` one (a local folder or hub id).
+    whether it is a path: a `local` input (stored absolute), a `hub` one (a local folder or hub
+    id) or an `output` (run.dir); see `_expand_path` for what each is relative to.
     `used_when(section)` false: the key changes nothing in this config, so the hash skips it
     (a new reward's settings leave the hash of runs that do not use it alone)."""
     meta = {
@@ -84,8 +85,9 @@ def _window_range(v: list[int]) -> str | None:
 class RunSection:
     dir: str = _option(
         "runs/default",
-        "Run directory: config, data, iterations, checkpoints.",
-        path="local",
+        "Run directory: config, data, iterations, checkpoints. Relative to the working "
+        "directory (unlike input paths in a config file, which are relative to the file).",
+        path="output",
         affects_results=False,
     )
     seed: int = _option(
@@ -483,7 +485,10 @@ class TrainSection:
         False, "Recompute activations in backward.", affects_results=False
     )
     mixed_precision: Literal["none", "bfloat16"] = _option(
-        "none", "FSDP2 mixed-precision policy for parameters in forward."
+        "none",
+        "bfloat16: the transformer's forwards (rollout, update, evaluation) run under "
+        "bfloat16 autocast, and FSDP2 gathers its parameters in bfloat16; weights, gradients "
+        "and optimizer state keep model.dtype. Useful with model.dtype = float32.",
     )
 
 
@@ -584,6 +589,13 @@ class _Source:
     text: str
     overrides: dict[str, str]  # dotted key -> the --set argument that set it
 
+    def base_of(self, dotted: str) -> Path | None:
+        """The folder a relative path in `dotted` is relative to: the config file's, or None
+        (the working directory) for a `--set` override."""
+        if dotted in self.overrides or self.file is None:
+            return None
+        return self.file.parent
+
     def where(self, dotted: str) -> str:
         """The --set argument, or the file and line, that gave `dotted` (a key or a table)."""
         if dotted in self.overrides:
@@ -660,23 +672,34 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     raise TypeError(f"unsupported config field type {tp}")
 
 
-def _expand_path(value: str, kind: str) -> str:
-    """`~` and `$VARS` expanded, and made absolute against the current folder, so the run's
-    stored config means the same from any folder. A `hub` path that names no local folder is
-    a hub id and stays as written (diffusers looks for a local folder of that name first too).
+def _looks_like_hub_id(value: str) -> bool:
+    """`owner/name` or `name`: what the Hub accepts as a repository id; anything with more
+    slashes, a leading `.`, `/` or `~` is a path."""
+    return re.fullmatch(r"[\w\-.]+(/[\w\-.]+)?", value) is not None and not value.startswith(".")
+
+
+def _expand_path(value: str, kind: str, base: Path | None = None) -> str:
+    """`~` and `$VARS` expanded, and made absolute, so the run's stored config means the same
+    from any folder. A relative input path is relative to `base`, the folder of the config file
+    that wrote it (None: the working directory, for `--set` and defaults); an `output` path
+    (run.dir) always to the working directory. A `hub` value that names no local folder and
+    looks like a repository id stays as written (diffusers looks for a local folder of that
+    name first too).
     """
     if not value:
         return value
     path = Path(os.path.expandvars(os.path.expanduser(value)))
-    if kind == "hub" and not path.exists():
-        return str(path)
-    return str(path.absolute())
+    if kind != "output" and base is not None and not path.is_absolute():
+        path = base / path
+    if kind == "hub" and not path.exists() and _looks_like_hub_id(value):
+        return value
+    return os.path.abspath(path)  # `..` folded away, symbolic links kept
 
 
-def _expand_paths(value: Any, kind: str) -> Any:
+def _expand_paths(value: Any, kind: str, base: Path | None = None) -> Any:
     if isinstance(value, list):
-        return [_expand_path(item, kind) for item in value]
-    return _expand_path(value, kind)
+        return [_expand_path(item, kind, base) for item in value]
+    return _expand_path(value, kind, base)
 
 
 def _build_section(
@@ -712,7 +735,10 @@ def _build_section(
         if problem:
             errors.append(f"{source.where(dotted)}: `{dotted}` = {value!r} {problem}")
             continue
-        values[key] = _expand_paths(coerced, meta["path"]) if meta.get("path") else coerced
+        path_kind = meta.get("path")
+        values[key] = (
+            _expand_paths(coerced, path_kind, source.base_of(dotted)) if path_kind else coerced
+        )
     for name, f in fields.items():  # a default path (run.dir) is as relative as a given one
         if f.metadata.get("path") and name not in values:
             values[name] = _expand_paths(getattr(cls(), name), f.metadata["path"])
