@@ -5,7 +5,9 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 venv := justfile_directory() / ".venv"
 python := venv / "bin/python"
 venv_vllm := justfile_directory() / ".venv-vllm"
-export HF_HUB_OFFLINE := env_var_or_default("HF_HUB_OFFLINE", "1")
+# The recipes that need no Hub (tests, the demo, the toy experiments, benchmarks) run offline,
+# and say so in any Hub error; `just flowgrpo` and your own commands keep the Hub reachable.
+offline := "HF_HUB_OFFLINE=1 FLOWGRPO_OFFLINE_SOURCE='the Justfile recipe'"
 
 # List the recipes.
 default:
@@ -36,6 +38,7 @@ flowgrpo *ARGS: setup
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
+    export {{offline}}
     flowgrpo="{{venv}}/bin/flowgrpo"
     # Rebuilt every time (a second; seeded, so the same bytes): a folder left by an older
     # version of the tiny model is replaced rather than trained on.
@@ -50,6 +53,7 @@ demo: setup
 toy-ocr iterations="70": setup
     #!/usr/bin/env bash
     set -euo pipefail
+    export {{offline}}
     flowgrpo="{{venv}}/bin/flowgrpo"
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     "$flowgrpo" prepare --config examples/toy_ocr/rl.toml
@@ -65,30 +69,30 @@ toy-ocr iterations="70": setup
 # with a fresh optimizer, exported, then 750 more the same way. The run folders keep every
 # checkpoint and its held-out scores (about 2.8 hours on 2 cores; PRETRAINING.md).
 toy-ocr-pretrain: setup
-    {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-pretrain --max-steps 3500 --minutes 1000 --threads 2
-    {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-pretrain/checkpoints/step-03500 examples/toy_ocr/base
-    {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-continue --init-from examples/toy_ocr/base --max-steps 2000 --minutes 1000 --threads 2
-    {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-continue/checkpoints/step-02000 examples/toy_ocr/base
-    {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-stage3 --init-from examples/toy_ocr/base --max-steps 750 --minutes 1000 --threads 2
-    {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-stage3/checkpoints/step-00750 examples/toy_ocr/base
+    {{offline}} {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-pretrain --max-steps 3500 --minutes 1000 --threads 2
+    {{offline}} {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-pretrain/checkpoints/step-03500 examples/toy_ocr/base
+    {{offline}} {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-continue --init-from examples/toy_ocr/base --max-steps 2000 --minutes 1000 --threads 2
+    {{offline}} {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-continue/checkpoints/step-02000 examples/toy_ocr/base
+    {{offline}} {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-stage3 --init-from examples/toy_ocr/base --max-steps 750 --minutes 1000 --threads 2
+    {{offline}} {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-stage3/checkpoints/step-00750 examples/toy_ocr/base
 
 # RL algorithms and continued pre-training of the toy OCR base, each for the same training
 # time, as held-out OCR accuracy against training minutes; options pass through.
 # The learning benchmark (README, "Does it learn?"): `just learn --minutes 10 --arms awm,pretrain`.
 learn *ARGS: setup
-    {{python}} examples/toy_ocr/learn.py {{ARGS}}
+    {{offline}} {{python}} examples/toy_ocr/learn.py {{ARGS}}
 
 # To choose the CFG scale an RL arm is scored at on the validation prompts (README, "Does it learn?"):
 # its checkpoints scored again at other scales, `just rescore runs/learn/awm --guidance 1,2,4`.
 rescore *ARGS: setup
-    {{python}} examples/toy_ocr/rescore.py {{ARGS}}
+    {{offline}} {{python}} examples/toy_ocr/rescore.py {{ARGS}}
 
 # AWM on 4 training prompts of the toy OCR base, 16 images each: their rollout reward (printed
 # per iteration) must climb toward 1 within minutes. On your own run: the same --set options
 # on its config (README, "When a run is flat").
 # The overfit check, the first thing to try when a run is flat.
 overfit iterations="30": setup
-    {{venv}}/bin/flowgrpo loop --config examples/toy_ocr/rl_awm.toml \
+    {{offline}} {{venv}}/bin/flowgrpo loop --config examples/toy_ocr/rl_awm.toml \
         --run runs/toy-ocr-overfit --iterations {{iterations}} \
         --set data.train_prompts=4 --set algorithm.prompts_per_iteration=4 \
         --set algorithm.group_size=16 --set eval.every=0
@@ -96,23 +100,23 @@ overfit iterations="30": setup
 # Disk of a 1,000-iteration run of examples/sd35m_ocr.toml, with and without retention,
 # measured on the tiny model and scaled to SD3.5-M's shapes (README, "The run directory").
 disk-projection: setup
-    {{python}} -m benchmarks.disk_projection
+    {{offline}} {{python}} -m benchmarks.disk_projection
 
 # Weights memory of the model rewards (pickscore, clipscore, aesthetic), counted from their
 # released architectures on the meta device (README, "Model rewards").
 reward-memory: setup
-    {{python}} -m benchmarks.reward_memory
+    {{offline}} {{python}} -m benchmarks.reward_memory
 
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
 bench *ARGS: setup
-    OMP_NUM_THREADS=1 {{python}} -m benchmarks {{ARGS}}
+    {{offline}} OMP_NUM_THREADS=1 {{python}} -m benchmarks {{ARGS}}
 
 # Lint, format check and the whole test suite.
 test: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
-    {{python}} -m pytest
+    {{offline}} {{python}} -m pytest
 
 # The vllm-omni rollout engine's own environment, .venv-vllm: torch 2.13, vllm 0.30,
 # vllm-omni 0.30 (which pins diffusers 0.40) and flowgrpo. 1.7 GB download, 6.6 GB on disk.
@@ -122,7 +126,7 @@ setup-vllm:
 # The vllm-omni engine against the diffusers engine, on CPU (minutes; not part of `test`).
 test-vllm:
     bash scripts/vllm/setup.sh --cpu-test
-    {{venv_vllm}}/bin/python -m pytest tests/vllm -s
+    {{offline}} {{venv_vllm}}/bin/python -m pytest tests/vllm -s
 
 # Apply the formatter and the linter's safe fixes.
 fmt: setup

@@ -236,6 +236,8 @@ def push_to_hub(folder: Path, repo: str, *, private: bool = False) -> str:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
+    from flowgrpo_cli.hub_errors import offline_note
+
     api = HfApi()
     try:
         url = api.create_repo(repo, repo_type="model", private=private, exist_ok=True)
@@ -244,8 +246,7 @@ def push_to_hub(folder: Path, repo: str, *, private: bool = False) -> str:
         )
     except OfflineModeIsEnabled:
         raise FlowGrpoError(
-            f"--push-to-hub {repo}: HF_HUB_OFFLINE is set (the just recipes set it); unset it "
-            f"to upload. The export itself is in {folder}"
+            f"--push-to-hub {repo}: {offline_note()}. The export itself is in {folder}"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise FlowGrpoError(

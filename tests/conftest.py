@@ -14,6 +14,7 @@ import torch
 
 # Before any test module imports huggingface_hub, which reads it once.
 os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["FLOWGRPO_OFFLINE_SOURCE"] = "the test suite"
 # Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP
 # threads that spin-wait for a busy core made a 16 ms forward take 600 ms. The variable is
 # for subprocesses (CLI runs), set_num_threads for this one, whose torch is already loaded.

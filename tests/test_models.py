@@ -304,9 +304,13 @@ def test_missing_folder(tmp_path):
     assert str(missing) in str(err.value)
 
 
-def test_hub_id_offline_is_a_clear_error():
-    with pytest.raises(FlowGrpoError, match="not a local folder"):
+def test_hub_id_offline_says_who_set_offline_mode_and_how_to_download():
+    with pytest.raises(FlowGrpoError) as err:
         load_adapter("nobody-here/no-such-model", dtype=torch.float32, device="cpu")
+    message = str(err.value)
+    assert "model.path = 'nobody-here/no-such-model'" in message
+    assert "HF_HUB_OFFLINE=1 is in effect (set by the test suite)" in message
+    assert "hf download nobody-here/no-such-model" in message
 
 
 def test_folder_without_model_index(tmp_path):

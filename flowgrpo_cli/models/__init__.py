@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.hub_errors import hub_error_message
 from flowgrpo_cli.models.base import Conditioning, ModelAdapter, to_pil, to_png
 
 __all__ = [
@@ -82,6 +83,9 @@ def load_adapter(
     try:
         pipeline = DiffusionPipeline.from_pretrained(pretrained, dtype=dtype)
     except (OSError, ValueError) as err:
+        hint = None if folder.exists() else hub_error_message(err, source)
+        if hint is not None:
+            raise FlowGrpoError(f"model.path = {source!r}: {hint}") from None
         raise FlowGrpoError(f"Could not load the {pipeline_class} {source}: {err}") from err
     pipeline.to(device)
     pipeline.set_progress_bar_config(disable=True)
@@ -126,6 +130,9 @@ def _read_hub_index(hub_id: str) -> dict[str, Any]:
         # Not a valid repo id either (e.g. an absolute path): it was meant as a folder.
         raise FlowGrpoError(f"Model folder {hub_id} does not exist.") from err
     except (OSError, ValueError) as err:
+        hint = hub_error_message(err, hub_id)
+        if hint is not None:
+            raise FlowGrpoError(f"model.path = {hub_id!r}: {hint}") from None
         raise FlowGrpoError(
             f"{hub_id!r} is not a local folder, and reading model_index.json of the hub model "
             f"{hub_id!r} failed: {err}"

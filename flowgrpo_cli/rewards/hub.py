@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.hub_errors import hub_error_message
 from flowgrpo_cli.rewards.options import ModelSource
 
 
@@ -73,20 +74,13 @@ def _download(source: ModelSource, filename: str, key: str) -> tuple[Path, str]:
         path = Path(hf_hub_download(source.model, filename, revision=source.revision))
     except HFValidationError:
         raise FlowGrpoError(f"{where}: no such folder, and not a valid hub id") from None
-    except RepositoryNotFoundError:
-        raise FlowGrpoError(
-            f"{where}: no such folder, and no such hub repository (or it is gated: run "
-            "`hf auth login`)"
-        ) from None
     except RevisionNotFoundError:
         raise FlowGrpoError(
             f"{where}: the repository has no revision {source.revision!r}"
         ) from None
-    except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: caught first
-        raise FlowGrpoError(
-            f"{where}: not downloaded yet and the hub cannot be reached (offline?); download "
-            f"it once with `hf download {source.model}`, or name a local folder"
-        ) from None
+    except (RepositoryNotFoundError, LocalEntryNotFoundError) as err:
+        # LocalEntryNotFoundError subclasses EntryNotFoundError: caught before it
+        raise FlowGrpoError(f"{where}: {hub_error_message(err, source.model)}") from None
     except EntryNotFoundError:
         raise FlowGrpoError(f"{where}: the repository has no {filename}") from None
     # The cache keeps every file under snapshots/<commit>/<filename>.
