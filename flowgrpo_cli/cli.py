@@ -67,7 +67,14 @@ ConfigOpt = Annotated[
     ),
 ]
 RunOpt = Annotated[
-    Path | None, typer.Option("--run", "-r", help="Run directory (overrides run.dir).")
+    Path | None,
+    typer.Option(
+        "--run",
+        "--run-dir",
+        "-r",
+        help="Run directory (overrides run.dir). Under torchrun write --run-dir or -r: "
+        "torchrun's own parser reads --run as its --run-path.",
+    ),
 ]
 SetOpt = Annotated[
     list[str] | None,
@@ -101,9 +108,15 @@ def user_errors(fn: F) -> F:
                 if storage is None:
                     raise
                 raise storage from None
+        except _QuietExit:
+            raise typer.Exit(1) from None
         except FlowGrpoError as err:
             if _RAISE_USER_ERRORS.get():
                 raise
+            from flowgrpo_cli.launch.distributed import record_rank_error
+
+            if record_rank_error(str(err)):  # the launching process prints it, once
+                raise typer.Exit(1) from None
             err_console.print(
                 f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True
             )
@@ -212,15 +225,25 @@ def _run_ranks(
     """
     import sys
 
-    from flowgrpo_cli.launch.distributed import is_rank_process, launch_local
+    from flowgrpo_cli.launch.distributed import (
+        check_devices,
+        is_rank_process,
+        launch_local,
+        launched_by_flowgrpo,
+    )
     from flowgrpo_cli.launch.ray_cluster import ray_address_for
 
     section = resolved.config.distributed
     ranks = nproc or section.nproc
     if is_rank_process():
-        body()
+        if launched_by_flowgrpo():
+            body()
+        else:
+            _run_under_external_launcher(resolved, body, first)
         return
     address = ray_address_for(resolved.config, ray_address)
+    if address is None:  # Ray places ranks on the cluster's GPUs, not this host's
+        check_devices(resolved.config.model.device, ranks)
     with resolved.writing():
         if first is not None:
             first()
@@ -238,11 +261,62 @@ def _run_ranks(
             )
             return
         if ranks > 1:
-            code = launch_local(ranks, sys.argv[1:])
-            if code:
-                raise FlowGrpoError(f"a rank exited with code {code} (its error is above)")
+            failed = launch_local(ranks, sys.argv[1:])
+            if failed is not None:
+                raise FlowGrpoError(_rank_errors(failed))
             return
         body()
+
+
+def _rank_errors(failed: dict[int, str]) -> str:
+    """One message for the ranks' errors: once when they agree, else each with its ranks."""
+    if not failed:
+        return "a rank failed (its traceback is above)"
+    by_message: dict[str, list[int]] = {}
+    for rank, message in sorted(failed.items()):
+        by_message.setdefault(message, []).append(rank)
+    if len(by_message) == 1:
+        return next(iter(by_message))
+    return "the ranks failed:\n" + "\n".join(
+        f"  rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
+        for message, ranks in by_message.items()
+    )
+
+
+class _QuietExit(FlowGrpoError):
+    """A rank stops because rank 0 failed; rank 0 says why."""
+
+
+def _run_under_external_launcher(
+    resolved: Any, body: Callable[[], None], first: Callable[[], None] | None
+) -> None:
+    """Ranks that torchrun (or any launcher but ours) started: rank 0 does what our own
+    launching process does, holding the run's lock and storing the config (and `first`),
+    while every rank runs `body`."""
+    from flowgrpo_cli.launch.distributed import (
+        broadcast_object,
+        dist_info,
+        init_process_group,
+        resolve_device,
+    )
+
+    init_process_group(resolve_device(resolved.config.model.device))
+    if not dist_info().is_main:
+        if not broadcast_object(None):
+            raise _QuietExit("rank 0 failed before the work began")
+        body()
+        return
+    started = False
+    try:
+        with resolved.writing():
+            if first is not None:
+                first()
+            started = True
+            broadcast_object(True)
+            body()
+    finally:
+        if not started:
+            broadcast_object(False)
 
 
 def _iteration_of(resolved: Any, iteration: int | None) -> int:

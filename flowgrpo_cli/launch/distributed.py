@@ -14,13 +14,22 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from flowgrpo_cli.errors import FlowGrpoError
+
 # Set in each Ray Train worker (launch/ray_cluster.py): this process is a rank, even of a world
 # of one.
 RAY_RANK_ENV = "FLOWGRPO_RAY_RANK"
+# Set for the ranks `launch_local` starts: the launching process holds the run's lock for them
+# and reports their errors; a rank without it was started by torchrun or another launcher.
+LOCAL_RANK_ENV = "FLOWGRPO_LOCAL_RANK"
+# Folder where a rank of `launch_local` leaves its one-line error instead of printing it, so
+# the launcher prints an error that every rank raised once.
+ERROR_DIR_ENV = "FLOWGRPO_RANK_ERRORS"
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,54 @@ def is_rank_process() -> bool:
     if os.environ.get(RAY_RANK_ENV) == "1":
         return True
     return "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def launched_by_flowgrpo() -> bool:
+    """True in a rank that `--nproc` or `--ray-address` started (not torchrun)."""
+    return os.environ.get(RAY_RANK_ENV) == "1" or os.environ.get(LOCAL_RANK_ENV) == "1"
+
+
+def check_devices(name: str, ranks: int) -> None:
+    """Refuse, before any rank starts, `ranks` one-per-GPU ranks on fewer GPUs than that, or
+    a CUDA device that is not there. `auto` without any GPU means the CPU, which any number of
+    ranks may share."""
+    if not (name == "auto" or name.startswith("cuda")):
+        return
+    count = torch.cuda.device_count()
+    if count == 0:
+        if name == "auto":
+            return
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise FlowGrpoError(
+            f"model.device = {name!r}, but no CUDA device is visible (torch {torch.__version__}, "
+            f'{build}{_visible_devices()}); set model.device = "cpu" or "auto" to run on the CPU'
+        )
+    if ":" in name:
+        index = torch.device(name).index
+        if index is not None and index >= count:
+            raise FlowGrpoError(
+                f"model.device = {name!r}, but only {_gpus(count)} visible{_visible_devices()}"
+            )
+        if ranks > 1:
+            raise FlowGrpoError(
+                f"model.device = {name!r} puts all {ranks} ranks on one GPU; set model.device "
+                '= "cuda" (rank r takes GPU r) for more than one rank'
+            )
+        return
+    if ranks > count:
+        raise FlowGrpoError(
+            f"{ranks} ranks need one GPU each, but {_gpus(count)} visible"
+            f"{_visible_devices()}: pass --nproc {count} (or set distributed.nproc = {count})"
+        )
+
+
+def _gpus(count: int) -> str:
+    return "1 GPU is" if count == 1 else f"{count} GPUs are"
+
+
+def _visible_devices() -> str:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if visible is None else f", CUDA_VISIBLE_DEVICES={visible!r}"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,10 +143,16 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
-def launch_local(nproc: int, argv: list[str]) -> int:
+def launch_local(nproc: int, argv: list[str]) -> dict[int, str] | None:
     """Run `flowgrpo ARGV` as `nproc` ranks on this host through torch's elastic launcher (the
     API behind torchrun; called directly so our options never meet torchrun's own parser).
-    Returns 0, or 1 when a rank failed (its error is printed by the rank itself)."""
+
+    Returns None when every rank succeeded, else rank -> the one-line error it raised (empty
+    when the failed ranks raised none: a crash, whose traceback the rank printed itself).
+    """
+    import logging
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -105,8 +168,33 @@ def launch_local(nproc: int, argv: list[str]) -> int:
         max_restarts=0,
         monitor_interval=0.1,
     )
-    try:
-        elastic_launch(config, sys.executable)("-m", "flowgrpo_cli", *argv)
-    except ChildFailedError:
-        return 1
-    return 0
+    # The agent logs each failed rank's exit code; the ranks' own errors say more.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="flowgrpo-rank-errors-") as errors:
+        saved = {key: os.environ.get(key) for key in (LOCAL_RANK_ENV, ERROR_DIR_ENV)}
+        os.environ.update({LOCAL_RANK_ENV: "1", ERROR_DIR_ENV: errors})
+        try:
+            elastic_launch(config, sys.executable)("-m", "flowgrpo_cli", *argv)
+        except ChildFailedError:
+            return {
+                int(path.stem.removeprefix("rank-")): path.read_text()
+                for path in sorted(Path(errors).glob("rank-*.txt"))
+            }
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    return None
+
+
+def record_rank_error(message: str) -> bool:
+    """In a rank of `launch_local`, leave `message` for the launcher to print (once, however
+    many ranks raise it) and return True; elsewhere return False (print it yourself)."""
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or os.environ.get(LOCAL_RANK_ENV) != "1":
+        return False
+    rank = int(os.environ.get("RANK", 0))
+    Path(folder, f"rank-{rank}.txt").write_text(message)
+    return True

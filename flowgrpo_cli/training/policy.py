@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,10 +160,30 @@ def load_policy(config: Config, device: torch.device) -> Policy:
                 parameter.data = parameter.data.float()
     else:
         transformer.requires_grad_(True)
+    if config.train.mixed_precision == "bfloat16":
+        compute_in_bfloat16(transformer, device)
     policy = Policy(adapter=adapter, mode=config.train.mode, device=device, version="base")
     if config.model.init_lora:
         load_initial_lora(policy, Path(config.model.init_lora))
     return policy
+
+
+def compute_in_bfloat16(transformer: torch.nn.Module, device: torch.device) -> None:
+    """train.mixed_precision = "bfloat16": every forward of the transformer, in rollout,
+    update and evaluation alike, runs under bfloat16 autocast, while its weights, gradients and
+    optimizer state keep their own dtype. Under FSDP2 the trainer also gathers the parameters
+    in bfloat16 (its MixedPrecisionPolicy).
+
+    The forward is replaced on the instance by a bound method, so a deepcopy of the module
+    (full mode's frozen reference) autocasts its own forward, not this one's.
+    """
+    transformer.flowgrpo_autocast_device = device.type
+    transformer.forward = types.MethodType(_autocast_forward, transformer)
+
+
+def _autocast_forward(module: torch.nn.Module, *args, **kwargs):
+    with torch.autocast(module.flowgrpo_autocast_device, dtype=torch.bfloat16):
+        return type(module).forward(module, *args, **kwargs)
 
 
 def load_initial_lora(policy: Policy, source: Path) -> None:
