@@ -12,6 +12,9 @@ in one process, on the built-in tiny SD3 model:
 4. loop      `flowgrpo loop` vs the same stages run as separate commands, and each stage's share
 5. arrow     writing / reading a rollout part as Arrow vs copying / reading a plain file
 6. ocr       OCR reward throughput (images/s) with 1 and 2 worker processes
+7. algorithms nft's rollout vs flow_grpo's, and MixGRPO-Flash's solver vs Euler
+8. plan      `flowgrpo plan`'s predicted peak memory of rollout and update vs the measured peak,
+             on an SD3.5-Medium-wide transformer of 4 blocks (0.27B parameters), in a fresh process
 
 Results go to the console and to benchmarks/results.md (with the date and the machine).
 """

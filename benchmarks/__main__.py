@@ -1,6 +1,6 @@
 """`python -m benchmarks`: run every benchmark, print one table, write it as markdown.
 
-    python -m benchmarks                      # all six: 4-7 minutes on 2 shared cores
+    python -m benchmarks                      # all eight: 6-9 minutes on 2 shared cores
     python -m benchmarks --only rollout,arrow --reps 5
     python -m benchmarks --quick              # 2 rounds per comparison, 1 OCR round
     python -m benchmarks --only loop --loop-iterations 2
@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-BENCHMARKS = ("rollout", "update", "arrow", "ocr", "memory", "loop", "algorithms")
+BENCHMARKS = ("rollout", "update", "arrow", "ocr", "memory", "loop", "algorithms", "plan")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -828,3 +828,37 @@ def _as_overrides(options: dict[str, Any]) -> list[str]:
 
 def main() -> None:
     app()
+@app.command()
+@user_errors
+def plan(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    iterations: Annotated[
+        int, typer.Option("--iterations", "-n", help="Iterations the disk total counts.")
+    ] = 1000,
+    arch: Annotated[
+        str | None,
+        typer.Option(
+            help="Architecture to plan instead of model.path's: sd3.5-medium, flux.1-dev, "
+            "flux.1-schnell, qwen-image, or a local diffusers folder."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+) -> None:
+    """Memory per device of each stage, disk per iteration and for the run, transformer
+    passes: before anything is loaded or downloaded (no weights, no network, no run dir)."""
+    import json
+
+    from flowgrpo_cli.planning import plan_run
+    from flowgrpo_cli.reporting.plan import render_plan
+    from flowgrpo_cli.store.config import load_config
+
+    if iterations < 1:
+        raise FlowGrpoError(f"--iterations {iterations}: must be at least 1")
+    made = plan_run(load_config(config, set_ or []), iterations=iterations, arch=arch)
+    if as_json:
+        typer.echo(json.dumps(made.to_dict(), indent=1))
+    else:
+        render_plan(console, made)
+
+

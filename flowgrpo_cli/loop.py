@@ -12,25 +12,31 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from PIL import UnidentifiedImageError
+
 from flowgrpo_cli.engines import build_engine, engine_class
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info, init_process_group, resolve_device
 from flowgrpo_cli.launch.ray_cluster import pool_scorer_in_rank
-from flowgrpo_cli.reporting.grid import GridItem, make_grid
+from flowgrpo_cli.reporting.grid import GRID_GROUPS, GRID_PER_GROUP, GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
-from flowgrpo_cli.reporting.render import format_bytes
 from flowgrpo_cli.reporting.trackers import active_trackers, open_trackers, track
 from flowgrpo_cli.stages.evaluate import evaluate
-from flowgrpo_cli.stages.rollout import latent_bytes_per_iteration
 from flowgrpo_cli.store.config import Config
-from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.contract import RolloutManifest, ScoreManifest
 from flowgrpo_cli.store.metrics_log import read_log, rebuild
 from flowgrpo_cli.store.retention import apply_retention
-from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, atomic_write_bytes, read_manifest
+from flowgrpo_cli.store.rundir import (
+    ROLLOUT,
+    SCORE,
+    RunDir,
+    atomic_write_bytes,
+    read_manifest,
+    verify_stage,
+)
 from flowgrpo_cli.store.trajectory import iter_batches, read_table
 from flowgrpo_cli.training.policy import load_policy, load_weights
 from flowgrpo_cli.training.trainer import Trainer
-
-GRID_GROUPS, GRID_PER_GROUP = 4, 4
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,8 @@ def run_loop(
         trainer.load(run.checkpoint_dir(start - 1))
     engine = build_engine(config, policy)
     if info.is_main and on_note is not None and start < iterations:
-        on_note(disk_note(config, policy.adapter.latent_shape(config.model.height,
-                                                              config.model.width)))  # fmt: skip
+        for line in plan_note(config, iterations):
+            on_note(line)
     summaries = []
     with (
         build_rewards_from_config(config.reward) as rewards,
@@ -128,18 +134,15 @@ def _report_final_evaluation(run: RunDir, iterations: int, trackers, on_note) ->
                 + ", ".join(f"{k} {evals[k]:.4g}" for k in shown))  # fmt: skip
 
 
-def disk_note(config: Config, latent_shape: tuple[int, ...]) -> str:
-    """The disk the trajectories take: per iteration, and at most while the run keeps them."""
-    per_iteration = latent_bytes_per_iteration(config, latent_shape)
-    keep = config.run.keep_trajectories
-    # at most the kept iterations plus the one in progress
-    kept = (
-        "all kept" if keep < 0 else f"at most {format_bytes(per_iteration * (keep + 1))} at a time"
-    )
-    return (
-        f"disk: trajectory latents {format_bytes(per_iteration)} per iteration, {kept} "
-        f"(run.keep_trajectories = {keep})"
-    )
+def plan_note(config: Config, iterations: int) -> list[str]:
+    """`flowgrpo plan`'s summary of this run: memory per device, disk per iteration and for
+    the run. Never stops the run: a plan that cannot be made is one line saying why."""
+    try:
+        from flowgrpo_cli.planning import plan_run
+
+        return plan_run(config, iterations=max(iterations, 1)).summary_lines()
+    except Exception as err:  # a plan is advice: the run goes on without it
+        return [f"plan: not available ({type(err).__name__}: {err})"]
 
 
 def _eval_due(config: Config, iteration: int, iterations: int) -> bool:
@@ -162,13 +165,17 @@ def write_logs(run: RunDir, last_iteration: int) -> list[dict]:
 
 
 def write_iteration_grid(run: RunDir, iteration: int) -> None:
-    """samples/iter-N.png: the first images of the first groups, with their rewards."""
+    """samples/iter-N.png: the first images of the first groups, with their rewards.
+
+    The rollout and score parts are checked against their manifests first (a grid is rebuilt
+    from them on every start), and a sample without a score is named, not a KeyError."""
     rollout_dir = run.stage_dir(iteration, ROLLOUT)
-    trajectory_parts = RolloutManifest.read(rollout_dir).trajectory_parts
     scores_dir = run.stage_dir(iteration, SCORE)
-    rewards = read_table(
-        [scores_dir / p for p in trajectory_parts], ["sample_id", "reward"]
-    ).to_pydict()
+    verify_stage(rollout_dir)
+    verify_stage(scores_dir)
+    trajectory_parts = RolloutManifest.read(rollout_dir).trajectory_parts
+    score_parts = [scores_dir / p for p in ScoreManifest.read(scores_dir).parts]
+    rewards = read_table(score_parts, ["sample_id", "reward"]).to_pydict()
     reward_of = dict(zip(rewards["sample_id"], rewards["reward"], strict=True))
     items: list[GridItem] = []
     per_group: dict[int, int] = {}
@@ -182,9 +189,16 @@ def write_iteration_grid(run: RunDir, iteration: int) -> None:
             if per_group.get(group, 0) >= GRID_PER_GROUP:
                 continue
             per_group[group] = per_group.get(group, 0) + 1
-            items.append(
-                GridItem(
-                    row["image"], row["prompt"], row["ground_truth"], reward_of[row["sample_id"]]
+            if row["sample_id"] not in reward_of:
+                raise FlowGrpoError(
+                    f"{', '.join(map(str, score_parts))}: no score for sample "
+                    f"{row['sample_id']!r} of {rollout_dir}; delete {scores_dir} and run "
+                    f"`flowgrpo score --iteration {iteration}` again"
                 )
-            )
-    atomic_write_bytes(run.samples_path(iteration), make_grid(items, columns=GRID_PER_GROUP))
+            reward = reward_of[row["sample_id"]]
+            items.append(GridItem(row["image"], row["prompt"], row["ground_truth"], reward))
+    try:
+        grid = make_grid(items, columns=GRID_PER_GROUP)
+    except UnidentifiedImageError as err:
+        raise FlowGrpoError(f"{rollout_dir}: an image is not a readable PNG ({err})") from None
+    atomic_write_bytes(run.samples_path(iteration), grid)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw, ImageFont
 
 CELL = 192  # images are shown at this width; small models' 64 px images are scaled up
+# The training grid of each iteration, samples/iter-N.png: the first images of the first groups.
+GRID_GROUPS, GRID_PER_GROUP = 4, 4
 CAPTION_LINES = 5
 LINE_HEIGHT = 13
 
