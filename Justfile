@@ -34,7 +34,7 @@ setup:
 flowgrpo *ARGS: setup
     "{{venv}}/bin/flowgrpo" "$@"
 
-# The main job on the built-in tiny model: a tiny SD3 pipeline, 10 iterations, a report.
+# The main job on the built-in tiny model: a tiny SD3 pipeline, 30 iterations, a report.
 demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
@@ -106,6 +106,24 @@ disk-projection: setup
 # released architectures on the meta device (README, "Model rewards").
 reward-memory: setup
     {{offline}} {{python}} -m benchmarks.reward_memory
+
+# Memory per GPU of each stage, disk per iteration and for the whole run, and the passes per
+# iteration, printed before anything is loaded or downloaded.
+# Plan a config's memory, disk and passes: `just plan -c examples/sd35m_ocr.toml`.
+[positional-arguments]
+plan *ARGS: setup
+    "{{venv}}/bin/flowgrpo" plan "$@"
+
+# One GPU, a few minutes, no Hub: `flowgrpo loop` on an SD3.5-Medium-sized model with random
+# weights (bfloat16, LoRA r 32, 512 px, 10 SDE steps, CFG 4.5): rollout and update images/s,
+# peak GPU memory against `flowgrpo plan`, the rollout/update log-prob gap; one JSON.
+# The prepared GPU check: `just gpu-check --out gpu.json` (`--smoke`: the same code on the CPU).
+gpu-check *ARGS: setup
+    {{offline}} {{python}} -m benchmarks.gpu_check {{ARGS}}
+
+# The same check from the vllm-omni environment, which adds that engine's images/s.
+gpu-check-vllm *ARGS: setup-vllm
+    {{offline}} {{venv_vllm}}/bin/python -m benchmarks.gpu_check {{ARGS}}
 
 # Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
