@@ -364,6 +364,8 @@ def tiny_model(
     """Build a tiny random pipeline of a family, offline, and save it (for tests and demos)."""
     from flowgrpo_cli.models.tiny import build_tiny_pipeline
 
+    if out.exists() and not out.is_dir():
+        raise FlowGrpoError(f"{out} exists and is not a folder: choose a folder for the pipeline")
     path = build_tiny_pipeline(family, out, seed=seed)
     console.print(f"tiny {family} pipeline -> {path}")
 

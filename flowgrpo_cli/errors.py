@@ -21,13 +21,16 @@ _STORAGE_HINTS = {
     errno.EROFS: "give a run folder on a writable file system",
     errno.EACCES: "check the owner and mode of the file and its folder",
     errno.EPERM: "check the owner and mode of the file and its folder",
+    errno.EFBIG: "the file outgrew a size limit: raise the shell's `ulimit -f`, or move the run "
+    "to a file system that takes larger files",
+    errno.ENAMETOOLONG: "choose a shorter run path (a name may have 255 bytes, a path 4096)",
 }
 
 
 def storage_error(err: OSError, path: object = None) -> FlowGrpoError | None:
     """`err` as a FlowGrpoError naming `path` (or the file the OS named) when it is a full or
-    read-only disk or a permission error; None for any other error, which stays a bug and
-    keeps its traceback."""
+    read-only disk, a permission error, a file-size limit or a path too long; None for any
+    other error, which stays a bug and keeps its traceback."""
     hint = _STORAGE_HINTS.get(err.errno)
     if hint is None:
         return None

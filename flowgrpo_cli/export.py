@@ -5,15 +5,17 @@ the checkpoint already holds, with rank and alpha in its metadata); `merged` exp
 pipeline folder with the weights fused in, which `DiffusionPipeline.from_pretrained` loads with
 no LoRA step; a full fine-tuning run always exports the whole pipeline (it has no adapter).
 Both carry a model card (README.md) and the run's config. The folder is written beside OUT and
-renamed into place at the end, so a failed or killed export leaves no half-written model. It
+renamed into place at the end, so a failed or killed export leaves no half-written model (the
+next export to the same OUT deletes what a killed one left beside it). It
 takes no lock (finished checkpoints are never rewritten), so a run exports while it trains.
 """
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,10 +65,13 @@ def export_checkpoint(
     _check_new_folder(out)
     merged = merged or config.train.mode == "full"
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    _remove_killed_exports(out)
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    staging.mkdir()
     try:
         if merged:
             _write_pipeline(config, weights, staging, dtype)
+        (staging / _STAGING_MARK).write_bytes(b"")
         else:
             shutil.copyfile(weights, staging / weights.name)
             _check_copy(staging / weights.name, manifest, weights.relative_to(checkpoint))
@@ -75,6 +80,7 @@ def export_checkpoint(
         (staging / "README.md").write_text(card)
         staging.rename(out)
     except BaseException:
+        (staging / _STAGING_MARK).unlink()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Exported(out, number, "ema" if ema else "policy", merged)
@@ -82,6 +88,23 @@ def export_checkpoint(
 
 def _checkpoint_iteration(run: RunDir, iteration: int | None) -> int:
     done = run.current_iteration()  # checkpoints 0 .. done - 1 are finished
+# The export is staged in OUT's folder as `.OUT.tmp-PID`, holding this file until renamed.
+_STAGING_MARK = ".flowgrpo-export-staging"
+
+
+def _remove_killed_exports(out: Path) -> None:
+    """Delete what killed exports to `out` left: their staging folders, known by name and
+    mark, whose process has ended (a running export's is left alone)."""
+    from flowgrpo_cli.store.rundir import process_ended
+
+    for path in out.parent.glob(f".{glob.escape(out.name)}.tmp-*"):
+        pid = path.name.removeprefix(f".{out.name}.tmp-")
+        if not pid.isdigit() or path.is_symlink() or not (path / _STAGING_MARK).is_file():
+            continue
+        if process_ended(int(pid)):
+            shutil.rmtree(path)
+
+
     if done == 0:
         raise FlowGrpoError(
             f"{run.root} has no finished update yet, so no checkpoint to export: run "

@@ -17,7 +17,7 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.metrics_log import read_log
-from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes
+from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, remove_temp_files
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,9 @@ def write_report(run: RunDir) -> Path:
     if not log:
         raise FlowGrpoError(f"{run.metrics_path} is missing or empty: run `flowgrpo loop` first")
     out = run.root / "report"
+    # A report takes no lock (it runs beside a training loop): it removes what killed reports
+    # left, and leaves a running one's files alone.
+    remove_temp_files(out, ended_only=True)
     keys = set().union(*log)
     plots = []
     for plot in _plots(keys):

@@ -770,6 +770,11 @@ def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise FlowGrpoError(f"--set {key}: `{table}` is not a table")
     node[last] = value
+    if "\n" in item or "\r" in item:  # TOML would end the value there and drop the rest
+        raise FlowGrpoError(
+            f"--set {item!r}: a value cannot hold a newline; give one KEY=VALUE per --set "
+            "(a TOML string writes one as \\n)"
+        )
 
 
 def build_config(raw: dict[str, Any], source: _Source) -> Config:

@@ -17,6 +17,7 @@ manifest's hash, which stays the rollout's identity for the stages that recorded
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,17 +115,45 @@ def drop_iterations(run: RunDir, first: int) -> None:
                 f"--restart-from {first}: iteration {first} starts from {previous}, whose "
                 "weights were deleted (run.keep_checkpoints); restart from a later iteration"
             )
-    (run.checkpoint_dir(first) / MANIFEST).unlink(missing_ok=True)
     doomed = [
         *(p for p in run.root.glob("iter-*") if _number(p.name) >= first),
         *(p for p in (run.root / CHECKPOINT.folder).glob("iter-*") if _number(p.name) >= first),
         *(p for p in (run.root / EVAL.folder).glob("iter-*") if _number(p.name) >= first),
     ]
+    grids = [
+        grid
+        for grid in (run.root / "samples").glob("*iter-*.png")
+        if _number(grid.stem.removeprefix("eval-")) >= first
+    ]
+    for path in [run.checkpoint_dir(first), *doomed, *grids]:  # all checked before any goes
+        _check_inside(run, path, first)
+    (run.checkpoint_dir(first) / MANIFEST).unlink(missing_ok=True)
     for path in doomed:
         shutil.rmtree(path)
-    for grid in (run.root / "samples").glob("*iter-*.png"):
-        if _number(grid.stem.removeprefix("eval-")) >= first:
-            grid.unlink()
+    for grid in grids:
+        grid.unlink()
+
+
+def _check_inside(run: RunDir, path: Path, first: int) -> None:
+    """Refuse to delete `path` when it is a link, lies outside the run through one, or is not
+    the kind of entry flowgrpo wrote there: only the run's own files are deleted, never a
+    folder elsewhere that a link points to."""
+    if not os.path.lexists(path):
+        return
+    folder = path.suffix != ".png"  # iteration, checkpoint and evaluation folders; grids
+    if path.is_symlink():
+        problem = f"is a symbolic link (to {os.readlink(path)})"
+    elif not path.resolve().is_relative_to(run.root.resolve()):
+        problem = f"lies outside the run, at {path.resolve()}, through a link"
+    elif path.is_dir() != folder:
+        problem = f"is not the {'folder' if folder else 'file'} flowgrpo wrote there"
+    else:
+        return
+    raise FlowGrpoError(
+        f"--restart-from {first}: {path} {problem}; flowgrpo deletes only the run's own files, "
+        "never through a link: put the folder itself there, or move that out of the run, and "
+        "run again"
+    )
 
 
 def _number(name: str) -> int:

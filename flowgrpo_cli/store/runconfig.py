@@ -7,12 +7,14 @@ commands read it back; if the user passes a config (or `--set` overrides) that d
 anything that changes results, the command is refused with a diff, unless `allow_change` is
 set, in which case the new config replaces the stored one: stage manifests record the config
 hash, so an unfinished stage of the old config is redone, not mixed, while finished iterations
-stay as they were computed (`flowgrpo loop --restart-from N` redoes them).
+stay as they were computed (`flowgrpo loop --restart-from N` redoes them). A run that holds
+results but lost its config.toml is an error, never silently given the defaults.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -40,28 +42,52 @@ class ResolvedRun:
         """Hold the run's lock and store its config around a command's work.
 
         A command that fails before computing anything leaves the run as it found it: no
-        config.toml, lock file or folder that it created, so the next command starts clean.
+        config.toml, lock file or folder that it created, so the next command starts clean,
+        and the config.toml it replaced (a changed config) is put back.
         """
         root = self.run.root
         had_folder, had_config = root.exists(), self.run.config_path.exists()
-        had_lock = self.run.lock_path.exists()
+        had_lock = os.path.lexists(self.run.lock_path)
         undo = False
         with RunLock(root):
+            # A command that replaces the config and then fails before computing anything
+            # puts the old one back: what it computed is what the new config is kept for.
+            old_config = before = None
+            if had_config and self.config_text is not None:
+                old_config = self.run.config_path.read_bytes()
+                before = _computed(self.run)
             try:
                 self.store_config()
                 yield
             except BaseException:
+                if old_config is not None and _computed(self.run) == before:
+                    atomic_write_bytes(self.run.config_path, old_config)
                 undo = not self.run.holds_results()
                 if undo:  # under the lock: no other command can be writing its config now
                     if not had_config:
                         self.run.config_path.unlink(missing_ok=True)
-                    if not had_lock:  # a command starting now locks a new file: harmless
+                    if not had_lock:  # harmless: the lock is the run folder's (RunLock)
                         self.run.lock_path.unlink(missing_ok=True)
                 raise
             finally:
                 if undo and not had_folder:
                     with contextlib.suppress(OSError):  # not empty: another command's now
                         root.rmdir()
+
+
+def _computed(run: RunDir) -> list[tuple[str, int, int]]:
+    """Every entry of the run but its config and lock, with size and modification time: the
+    same before and after a command that computed nothing."""
+    found = []
+    for top, folders, files in os.walk(run.root):
+        for name in [*folders, *files]:
+            path = os.path.join(top, name)
+            if top == str(run.root) and name.startswith(("config.toml", "run.lock")):
+                continue
+            with contextlib.suppress(OSError):
+                info = os.lstat(path)
+                found.append((path, info.st_size, info.st_mtime_ns))
+    return sorted(found)
 
 
 def resolve_run(
@@ -77,6 +103,17 @@ def resolve_run(
     requested = load_config(config_file, overrides)
     root = Path(run_dir) if run_dir is not None else Path(requested.run.dir)
     run = RunDir(root.expanduser().absolute())
+    if os.path.lexists(run.config_path) and not run.config_path.is_file():
+        raise FlowGrpoError(
+            f"{run.config_path} is not a file: a run's config.toml is the TOML file flowgrpo "
+            "wrote there; move that away and restore the file"
+        )
+    if not run.config_path.exists() and config_file is None and run.holds_results():
+        raise FlowGrpoError(
+            f"{run.config_path} is missing, but {run.root} holds results: restore that file, "
+            "or pass --config with the config the run was made with (and the --set options "
+            "it had); flowgrpo does not guess it from the defaults"
+        )
     if run.config_path.is_file():
         stored = load_config(run.config_path)
         if config_file is None:  # `--set` alone adjusts the stored config

@@ -11,11 +11,13 @@ they were written for the same config and inputs (see ``StageWriter``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
 import socket
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,15 +162,84 @@ def atomic_file(path: Path, mode: str = "wb") -> Iterator[IO[Any]]:
         raise
 
 
-def remove_temp_files(folder: Path) -> None:
-    """Delete the temporary files of killed writers anywhere under `folder`.
+def remove_temp_files(folder: Path, *, ended_only: bool = False) -> None:
+    """Delete the temporary files of killed writers under `folder`, by the names atomic_file
+    gives them; never through a link, nor inside a nested run (a folder holding its own
+    config.toml or run.lock), whose writer may be alive.
 
     Call it only while no writer can be alive there: holding the run's lock, or for a stage
-    folder whose writer is about to start over.
+    folder whose writer is about to start over. `ended_only`: for a folder written without the
+    lock (`flowgrpo report`), delete only the files of processes that have ended.
     """
-    for path in folder.rglob(f"*{_TMP_MARK}*") if folder.is_dir() else []:
-        if _TMP_NAME.search(path.name) and path.is_file():
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    for top, folders, files in os.walk(folder):
+        here = Path(top)
+        folders[:] = [name for name in folders if not _holds_a_run(here / name)]
+        for name in files:
+            found = _TMP_NAME.search(name)
+            path = here / name
+            if found is None or path.is_symlink() or not path.is_file():
+                continue
+            if ended_only and not process_ended(int(found.group()[len(_TMP_MARK) :])):
+                continue
             path.unlink(missing_ok=True)
+
+
+#: The folders a run's writers write into (and iter-NNNNNN); anything else in it is the user's.
+_RUN_FOLDERS = ("data", "checkpoints", "eval", "samples")
+_REPORT_FOLDER = "report"  # written by `flowgrpo report`, which takes no lock
+_ROOT_FILES = ("config.toml", "metrics.jsonl")  # what the run writes into its root
+_ITERATION_FOLDER = re.compile(r"iter-\d+")
+
+
+def remove_run_temp_files(root: Path) -> None:
+    """Delete the temporary files that killed writers of the run at `root` left: in the run's
+    own folders (data, iter-N, checkpoints, eval, samples, report) and beside its own root files
+    (config.toml, metrics.jsonl). Nothing else: not a folder the run does not own, not a
+    nested run (`flowgrpo rollout --run r/parent` must not touch a live run r/parent/child),
+    not through a link. In report/, written without the lock, only an ended process's files.
+
+    Call it holding the run's lock: every earlier writer of the run is dead then.
+    """
+    for path in root.iterdir() if root.is_dir() else []:
+        if path.is_symlink():
+            continue
+        name = path.name
+        if name in _RUN_FOLDERS or _ITERATION_FOLDER.fullmatch(name):
+            remove_temp_files(path)
+        elif name == _REPORT_FOLDER:
+            remove_temp_files(path, ended_only=True)
+        elif _is_root_temp_file(path):
+            path.unlink(missing_ok=True)
+
+
+def _is_root_temp_file(path: Path) -> bool:
+    """Whether `path` is what atomic_file leaves of one of the root files a run writes."""
+    name = path.name
+    if not _TMP_NAME.search(name) or name[: name.rindex(_TMP_MARK)] not in _ROOT_FILES:
+        return False
+    return path.is_file()
+
+
+def _holds_a_run(folder: Path) -> bool:
+    """Whether `folder` is (or may be) another run: it holds a config.toml or run.lock."""
+    return any(os.path.lexists(folder / name) for name in ("config.toml", "run.lock"))
+
+
+def process_ended(pid: int) -> bool:
+    """Whether no process `pid` runs on this host (a temporary file's writer has ended)."""
+    if pid == os.getpid():  # ours are made after the sweep: a leftover of a reused pid
+        return True
+    if not 0 < pid < 1 << 22:  # beyond any pid_max
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -296,6 +367,20 @@ def verify_stage(stage_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+#: Identity keys that say only how a stage's output is split into parts (one per rank), not
+#: what it holds ("1 and N processes write the same samples"): a finished stage that differs
+#: in them alone is kept, so a run resumes with another --nproc. An unfinished one is redone
+#: (its part names depend on them).
+LAYOUT_KEYS = frozenset({"world_size"})
+
+
+def _same_output(finished: dict[str, Any], identity: dict[str, Any]) -> bool:
+    def content(ident: dict[str, Any]) -> dict[str, Any]:
+        return {key: value for key, value in ident.items() if key not in LAYOUT_KEYS}
+
+    return content(finished) == content(identity)
+
+
 class StageWriter:
     """Writes one stage's output folder: parts first, the manifest last.
 
@@ -314,7 +399,7 @@ class StageWriter:
         """Prepare the folder; return False when the stage is already complete."""
         manifest = read_manifest(self.dir)
         if manifest is not None:
-            if manifest.get("identity") == self.identity:
+            if _same_output(manifest["identity"], self.identity):
                 return False
             raise FlowGrpoError(
                 f"{self.dir} was finished with another config or other inputs; delete that "
@@ -368,58 +453,191 @@ class StageWriter:
 
 
 class RunLock:
-    """One writer per run: an exclusive OS lock (flock) on `run.lock`, whose text names the
-    holder's pid and host for the message a refused command prints.
+    """One writer per run: an exclusive OS lock (flock) on the run folder itself, and one on
+    `run.lock` inside it, whose text names the holder's pid and host for the message a refused
+    command prints.
 
-    The kernel drops the lock when its holder ends, however it ends, so there is no stale lock
-    to detect and no read-check-delete race: two processes never hold it at once. The file is
-    never deleted (deleting it would let one process lock a new file while another still holds
-    the old one); release empties it. Across hosts this needs a file system with locks (NFS
-    with lockd, Lustre, CephFS); the run directory is where every node sees it anyway.
+    Why the folder: a lock on a file alone is undone by deleting the file. After
+    `rm RUN/run.lock` beside a live holder, the next command creates a new run.lock and locks
+    that inode, and two writers run. The run folder cannot be deleted while it holds anything,
+    and a folder made in its place is another inode (another run, with none of this one's
+    files), so while the holder lives every command on this run meets its lock, whatever
+    happens to run.lock. Why run.lock too: on NFS a folder's flock is seen only by its own
+    client, while a file's is forwarded to the server's lock manager (as an fcntl lock):
+    run.lock's lock is what keeps a second host out (there, deleting run.lock beside a live
+    holder does let another host in; no lock file can stop that). The kernel drops both locks
+    when their holder ends, however it ends: no stale lock, no read-check-delete race.
+
+    run.lock is opened without following a link (O_NOFOLLOW), without blocking (O_NONBLOCK: a
+    FIFO does not hang the open) and without truncating; a run.lock that is not a regular file
+    of the run's own (a link, a folder, a FIFO, a hard link to a file elsewhere) is refused
+    before anything is written: the lock never writes through a name to another file. Once both
+    locks are held, the folder's path and run.lock must still name the two inodes locked (a
+    command that failed before computing anything removes them, holding the lock, as we took
+    it); otherwise the lock is taken again. Release empties run.lock and keeps it.
+    Across hosts this needs a file system with locks (NFS with lockd, Lustre, CephFS); the run
+    directory is where every node sees it anyway.
     """
+
+    _TRIES = 20  # a path that changes under the lock this often is something else's doing
 
     def __init__(self, run_root: Path):
         self.path = RunDir(run_root).lock_path
-        self._fd: int | None = None
+        self._fd: int | None = None  # run.lock
+        self._folder_fd: int | None = None  # the run folder
 
     def acquire(self) -> RunLock:
-        import fcntl
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _lock_holder(fd)
+        root = self.path.parent
+        for _ in range(self._TRIES):
+            root.mkdir(parents=True, exist_ok=True)
+            try:
+                folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:  # removed by a command undoing its start: again
+                continue
+            fd = None
+            try:
+                if not _flock(folder, root, folder=True):
+                    raise FlowGrpoError(self._refusal(_lock_holder_at(self.path)))
+                fd = _open_lock_file(self.path)
+                if not _flock(fd, self.path, folder=False):
+                    raise FlowGrpoError(self._refusal(_lock_holder(fd)))
+                if _names(root, folder, follow=True) and _names(self.path, fd, follow=False):
+                    break
+            except BaseException:
+                for descriptor in (fd, folder):
+                    if descriptor is not None:
+                        os.close(descriptor)
+                raise
             os.close(fd)
+            os.close(folder)
+        else:
             raise FlowGrpoError(
-                f"run {self.path.parent} is locked by {holder}; another flowgrpo command is "
-                "writing to it (the lock ends with that process)"
-            ) from None
+                f"run {root}: its folder or run.lock was replaced each time the lock was taken; "
+                "is another program moving it? Run the command again"
+            )
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
-        self._fd = fd
+        self._fd, self._folder_fd = fd, folder
         # Every earlier writer of this run is dead now (a live one would hold the lock), so
-        # any temporary file left (a checkpoint, metrics.jsonl, a grid) is theirs.
-        remove_temp_files(self.path.parent)
+        # any temporary file left in the run's own folders (a checkpoint, metrics.jsonl, a
+        # grid) is theirs.
+        remove_run_temp_files(root)
         return self
+
+    def _refusal(self, holder: str) -> str:
+        return (
+            f"run {self.path.parent} is locked by {holder}; another flowgrpo command is "
+            "writing to it (the lock ends with that process)"
+        )
 
     def release(self) -> None:
         """Give up this lock (only ever one's own: the OS lock belongs to its descriptor)."""
         import fcntl
 
-        if self._fd is None:
+        if self._fd is None or self._folder_fd is None:
             return
         os.ftruncate(self._fd, 0)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
+        for descriptor in (self._fd, self._folder_fd):
+            fcntl.flock(descriptor, fcntl.LOCK_UN)
+            os.close(descriptor)
+        self._fd = self._folder_fd = None
 
     def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# A folder's flock fails with these where its file system cannot lock folders; run.lock's lock
+# (taken next) still keeps other writers out there.
+_NO_FOLDER_LOCKS = (errno.ENOLCK, errno.EINVAL, errno.EBADF, errno.EOPNOTSUPP)
+
+
+def _flock(fd: int, path: Path, *, folder: bool) -> bool:
+    """Take the exclusive lock on `fd` without waiting; False when another holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if folder and err.errno in _NO_FOLDER_LOCKS:
+            return True
+        raise FlowGrpoError(
+            f"{path}: cannot be locked ({os.strerror(err.errno or 0)}); keep the run on a file "
+            "system with locks (local, NFS with lockd, Lustre, CephFS)"
+        ) from None
+    return True
+
+
+def _open_lock_file(path: Path) -> int:
+    """run.lock, created if missing, opened read-write only if it is a regular file of its own:
+    never through a link, never blocking on a FIFO, never truncated here."""
+    try:
+        problem = _not_a_lock_file(os.lstat(path))
+    except FileNotFoundError:
+        problem = None
+    fd = None
+    if problem is None:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as err:
+            if err.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+                storage = storage_error(err, path)
+                if storage is not None:
+                    raise storage from None
+                raise
+            problem = "not a regular file"
+    if fd is not None:
+        problem = _not_a_lock_file(os.fstat(fd))  # what was opened, not what a name said
+        if problem is None:
+            return fd
+        os.close(fd)
+    raise FlowGrpoError(
+        f"{path} is {problem}, not the run's own lock file: flowgrpo never writes through it. "
+        "Move it out of the run folder (flowgrpo writes its own run.lock, which holds only the "
+        "pid of the command writing to the run) and run the command again"
+    )
+
+
+def _not_a_lock_file(info: os.stat_result) -> str | None:
+    """What makes a file unfit to be run.lock, or None."""
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO"}
+    for test, kind in kinds.items():
+        if test(info.st_mode):
+            return kind
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    if info.st_nlink != 1:
+        return f"a hard link to a file with {info.st_nlink} names (one may be outside the run)"
+    return None
+
+
+def _names(path: Path, fd: int, *, follow: bool) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        now = os.stat(path, follow_symlinks=follow)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _lock_holder_at(path: Path) -> str:
+    """The holder named by run.lock, read without following a link or blocking."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return "another process (its run.lock was removed)"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return "another process"
+        return _lock_holder(fd)
+    finally:
+        os.close(fd)
 
 
 def _lock_holder(fd: int) -> str:
