@@ -613,11 +613,27 @@ def serve_reward(
             "are merged up to this many."
         ),
     ] = 64,
+    max_request_mb: Annotated[
+        float, typer.Option(help="Largest request body in MB; a larger one gets HTTP 413.")
+    ] = 128.0,
+    max_image_pixels: Annotated[
+        int,
+        typer.Option(
+            help="Most pixels (width x height) of one image, read from its header "
+            "before it is decoded; more gets HTTP 400."
+        ),
+    ] = 2048 * 2048,
+    max_images: Annotated[
+        int, typer.Option(help="Most images in one request; more gets HTTP 400.")
+    ] = 64,
+    max_json_depth: Annotated[
+        int, typer.Option(help="Deepest nesting of JSON arrays and objects in a request.")
+    ] = 32,
 ) -> None:
     """Serve rewards over HTTP in the `remote` reward's wire format: POST /score, GET /health.
     The reply is the weighted total of the rewards."""
     from flowgrpo_cli.rewards import build_rewards_from_config
-    from flowgrpo_cli.rewards.server import serve
+    from flowgrpo_cli.rewards.server import Limits, serve
 
     try:
         import starlette  # noqa: F401
@@ -628,6 +644,9 @@ def serve_reward(
         ) from None
     if max_batch < 1:
         raise FlowGrpoError(f"--max-batch {max_batch}: must be >= 1")
+    if not 0 <= port <= 65535:
+        raise FlowGrpoError(f"--port {port}: must be in 0..65535 (0 picks a free one)")
+    limits = Limits(max_request_mb, max_image_pixels, max_images, max_json_depth)
     section = _reward_section(config, set_, reward_, ocr_workers, plugin_dirs=plugin_dir)
     with build_rewards_from_config(section) as rewards:
         serve(
@@ -636,6 +655,7 @@ def serve_reward(
                 f"serving {', '.join(section.weights)} at {url}", flush=True
             ),
             max_images=max_batch,
+            limits=limits,
         )  # fmt: skip
 
 
@@ -810,26 +830,6 @@ def show_config(
     console.print(dumps_config(resolved.config), highlight=False, markup=False, soft_wrap=True)
 
 
-def _as_overrides(options: dict[str, Any]) -> list[str]:
-    """Dedicated CLI options become `--set` overrides, quoted as TOML values."""
-    import json
-
-    out = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, int | float):
-            text = repr(value)
-        else:
-            text = json.dumps(str(value))
-        out.append(f"{key}={text}")
-    return out
-
-
-def main() -> None:
-    app()
 @app.command()
 @user_errors
 def plan(
@@ -864,3 +864,23 @@ def plan(
         render_plan(console, made)
 
 
+def _as_overrides(options: dict[str, Any]) -> list[str]:
+    """Dedicated CLI options become `--set` overrides, quoted as TOML values."""
+    import json
+
+    out = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, int | float):
+            text = repr(value)
+        else:
+            text = json.dumps(str(value))
+        out.append(f"{key}={text}")
+    return out
+
+
+def main() -> None:
+    app()

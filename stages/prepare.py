@@ -134,16 +134,19 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
         train, test = _split(train, data.test_fraction, config.run.seed)
     if data.train_prompts:
         train = train[: data.train_prompts]
+    splits = {"train": train, "test": test}
+    # The tables too are made before the data folder exists: a row Arrow cannot hold must
+    # fail here, not leave a half-made data folder that makes the run refuse a new config.
+    tables = {name: _table(rows, data) for name, rows in splits.items()}
     writer = StageWriter(run.data_dir, PREPARE.name, identity)
     if not writer.begin():
         return read_manifest(run.data_dir)
 
     test_prompts = {row.prompt for row in test}
     overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})
-    splits = {"train": train, "test": test}
-    for name, rows in splits.items():
+    for name, table in tables.items():
         with atomic_file(writer.part_path(f"{name}.parquet")) as handle:
-            pq.write_table(_table(rows, data), handle, compression="zstd")
+            pq.write_table(table, handle, compression="zstd")
     summary = {
         "skipped_invalid": skipped,
         "duplicates": {name: _duplicates(rows) for name, rows in splits.items()},

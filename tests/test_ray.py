@@ -46,7 +46,8 @@ PROMPTS = [
 ]
 PLUGIN_MODULE = "fg_ray_test_plugin"
 PLUGIN = '''"""Reward 0 for every image. Logs who scored (the rank, or `task` in a Ray task) to
-$FLOWGRPO_TEST_SCORE_LOG; in rank 1, SIGKILLs its own process while $FLOWGRPO_TEST_KILL exists.
+$FLOWGRPO_TEST_SCORE_LOG; in rank 1, SIGKILLs the rank while $FLOWGRPO_TEST_KILL exists (a
+plugin runs in a worker process of the rank's own: the rank is its parent).
 (FLOWGRPO_* variables of the command reach Ray workers: ray_cluster forwards them.)"""
 import os
 import signal
@@ -57,6 +58,7 @@ def score(images, prompts, metadata):
     marker = os.environ.get("FLOWGRPO_TEST_KILL", "")
     if who == "1" and marker and os.path.exists(marker):
         os.unlink(marker)
+        os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     log = os.environ.get("FLOWGRPO_TEST_SCORE_LOG")
     if log:

@@ -1,7 +1,6 @@
 """`module:function` plugins: the example plugin, per-image failures, and bad specs."""
 
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,6 @@ def plugins(tmp_path, monkeypatch) -> Path:
         import threading
 
         THRESHOLD = 3
-        barrier = threading.Barrier(2, timeout=10)
-        threads = {}
 
         def fails_on_wide(images, prompts, metadata):
             if any(image.width > 8 for image in images):
@@ -52,19 +49,29 @@ def plugins(tmp_path, monkeypatch) -> Path:
             return [0.0] * len(images)
         bad_needs.needs = {"images", "captions"}
 
+        def _meet(mine, theirs):
+            # Each plugin runs in its own worker process: they meet through files.
+            import os, pathlib, time
+            folder = pathlib.Path(os.environ["RW_MEET_DIR"])
+            (folder / mine).touch()
+            deadline = time.monotonic() + 10
+            while not (folder / theirs).exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{theirs} never came")
+                time.sleep(0.01)
+
         def meets_a(images, prompts, metadata):
-            barrier.wait()
+            _meet("a", "b")
             return [1.0] * len(images)
         meets_a.parallel_safe = True
 
         def meets_b(images, prompts, metadata):
-            barrier.wait()
+            _meet("b", "a")
             return [2.0] * len(images)
         meets_b.parallel_safe = True
 
         def records_thread(images, prompts, metadata):
-            threads["serial"] = threading.current_thread()
-            return [0.0] * len(images)
+            return [float(threading.current_thread() is threading.main_thread())] * len(images)
     """)
     )
     (tmp_path / "rw_broken.py").write_text("import rw_no_such_dependency\n")
@@ -113,10 +120,9 @@ def test_plugin_sees_ground_truth_in_metadata_when_it_needs_it(plugins):
             rewards.score(RewardBatch([gray(0)], prompts=["no targets here"]))
 
 
-def test_plugins_declared_parallel_safe_run_at_the_same_time(plugins):
-    # Each waits on a two-party barrier: run one after the other, the first would time out.
-    import rw_plugins
-
+def test_plugins_declared_parallel_safe_run_at_the_same_time(plugins, tmp_path, monkeypatch):
+    # Each waits for the other to arrive: run one after the other, the first would time out.
+    monkeypatch.setenv("RW_MEET_DIR", str(tmp_path))
     weights = {
         "rw_plugins:meets_a": 1.0,
         "rw_plugins:records_thread": 1.0,
@@ -124,9 +130,8 @@ def test_plugins_declared_parallel_safe_run_at_the_same_time(plugins):
     }
     with build_rewards(weights) as rewards:
         result = rewards.score(RewardBatch([gray(0)], prompts=["p"]))
-    assert result.reward == [3.0]
+    assert result.reward == [4.0]  # 1 + 2, and 1 from the main thread of its worker
     assert rewards.names == tuple(weights)  # column order is the config's, not finishing order
-    assert rw_plugins.threads["serial"] is threading.main_thread()
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ def build_rewards_from_config(section: RewardSection) -> RewardSet:
             max_retries=remote.max_retries,
             batch_size=remote.batch_size,
             max_reply_mb=remote.max_reply_mb,
+            deadline_s=remote.deadline_s,
         )
         if remote.url
         else None
@@ -50,6 +51,7 @@ def build_rewards_from_config(section: RewardSection) -> RewardSet:
         ocr_workers=section.ocr_workers,
         remote=options,
         models=model_reward_options(section),
+        plugin_timeout_s=section.plugin_timeout_s,
     )
 
 

@@ -8,6 +8,23 @@ from dataclasses import dataclass, field
 from flowgrpo_cli.errors import FlowGrpoError
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with a `remote` reward's URL (None: nothing), found before any request:
+    an http(s) URL with a host, and a port, if given, in 1..65535."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port that is not a number or out of range
+    except ValueError as err:
+        return f"not a valid URL ({err})"
+    if parts.scheme not in ("http", "https"):
+        return "expected an http:// or https:// URL"
+    if not parts.hostname:
+        return "no host: expected e.g. http://host:8000/score"
+    if port == 0:
+        return "port 0: give the port the server listens on"
+    return None
+
+
 @dataclass(frozen=True)
 class RemoteOptions:
     """How to reach the scoring server; the fields mirror the config's [reward.remote]."""
@@ -18,13 +35,14 @@ class RemoteOptions:
     batch_size: int = 16  # images per request
     backoff_s: float = 1.0  # wait before the first retry; doubles for each further one
     max_reply_mb: float = 16.0  # a larger reply is refused, not read
+    deadline_s: float = 600.0  # per batch of the score stage: every request and retry in it
 
     def __post_init__(self) -> None:
-        scheme = urllib.parse.urlsplit(self.url).scheme
-        if scheme not in ("http", "https"):
-            raise FlowGrpoError(
-                f"[reward.remote] url = {self.url!r}: expected an http:// or https:// URL"
-            )
+        problem = url_problem(self.url)
+        if problem is not None:
+            raise FlowGrpoError(f"reward.remote.url = {self.url!r}: {problem}")
+        if not self.deadline_s > 0:
+            raise FlowGrpoError(f"[reward.remote] deadline_s = {self.deadline_s}: must be > 0")
         if not self.timeout_s > 0:
             raise FlowGrpoError(f"[reward.remote] timeout_s = {self.timeout_s}: must be > 0")
         if not self.backoff_s >= 0:
@@ -86,4 +104,5 @@ class RewardOptions:
 
     ocr_workers: int = 1
     remote: RemoteOptions | None = None
+    plugin_timeout_s: float = 600.0  # per call of a `module:function` plugin
     models: ModelRewardOptions = field(default_factory=ModelRewardOptions)

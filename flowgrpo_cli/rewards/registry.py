@@ -39,7 +39,7 @@ def resolve(name: str) -> Builder:
         from flowgrpo_cli.rewards.plugin import load_plugin
 
         plugin = load_plugin(name)
-        return lambda options: plugin
+        return lambda options: plugin.configured(options.plugin_timeout_s)
     if name not in _BUILDERS:
         close = difflib.get_close_matches(name, REWARD_NAMES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""

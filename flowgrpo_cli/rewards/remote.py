@@ -20,8 +20,11 @@ errors, HTTP 408/429 and 5xx are retried `max_retries` times, waiting backoff_s,
 
 `timeout_s` bounds a whole attempt (connect, send, and the reply to its last byte), not each
 socket read: a server that trickles a byte at a time cannot stall scoring. A reply larger than
-`max_reply_mb` is refused without reading the rest. The connection is made directly (no
-HTTP proxy), as reward servers sit next to the trainer.
+`max_reply_mb` is refused without reading the rest, and so is a reply nested deeper than 16
+levels or holding a number of more than 4300 digits. `deadline_s` bounds the whole batch of
+the score stage (every request, retry and backoff for it), so a server that keeps failing
+slowly stops scoring within it rather than after max_retries x timeout_s per request. The
+connection is made directly (no HTTP proxy), as reward servers sit next to the trainer.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import contextlib
 import http.client
 import io
 import json
+import math
 import socket
 import threading
 import time
@@ -39,13 +43,14 @@ from typing import Any
 
 from PIL import Image
 
-from flowgrpo_cli import __version__
+from flowgrpo_cli import __version__, untrusted
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import ImageScore, Need, RewardBatch, RewardOutput
 from flowgrpo_cli.rewards.options import RemoteOptions, RewardOptions
 
 RETRIED_HTTP_CODES = frozenset({408, 429, 500, 502, 503, 504})
 _EXCERPT = 200
+_REPLY_DEPTH = 16  # {"scores": [...], "errors": [...]} nests 2 deep
 
 
 def encode_png(image: Image.Image) -> str:
@@ -74,9 +79,10 @@ def encode_request(batch: RewardBatch) -> bytes:
 def decode_reply(raw: bytes, count: int, where: str) -> list[ImageScore]:
     """The scores in a reply, one per image; raises FlowGrpoError unless it is well formed."""
     try:
-        reply = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FlowGrpoError(f"{where}: the reply is not JSON ({err}): {_excerpt(raw)}") from None
+        reply = untrusted.loads(raw, max_depth=_REPLY_DEPTH)
+    except untrusted.BadJSON as err:
+        what = "is not JSON" if err.column is not None else "is refused"
+        raise FlowGrpoError(f"{where}: the reply {what} ({err}): {_excerpt(raw)}") from None
     if not isinstance(reply, dict) or not isinstance(reply.get("scores"), list):
         raise FlowGrpoError(
             f'{where}: expected a JSON object {{"scores": [...]}}, got {_excerpt(raw)}'
@@ -115,24 +121,34 @@ class RemoteReward:
         self.options = options
 
     def score(self, batch: RewardBatch) -> RewardOutput:
+        """Scores of `batch`, in requests of batch_size images; all of them together, retries
+        and backoff included, end by `deadline_s` from now."""
         size = self.options.batch_size
+        deadline = time.monotonic() + self.options.deadline_s
         scores: list[ImageScore] = []
         for start in range(0, len(batch), size):
             stop = min(start + size, len(batch))
             chunk = batch.slice(start, stop)
             where = f"remote reward {self.options.url} (images {start}..{stop - 1})"
-            raw = self._post(encode_request(chunk), where)
+            raw = self._post(encode_request(chunk), where, deadline)
             scores.extend(decode_reply(raw, len(chunk), where))
         return RewardOutput(scores=scores)
 
-    def _post(self, body: bytes, where: str) -> bytes:
+    def _post(self, body: bytes, where: str, deadline: float = math.inf) -> bytes:
         attempts = self.options.max_retries + 1
         failure = ""
         for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.options.backoff_s * 2 ** (attempt - 1))
+            wait = self.options.backoff_s * 2 ** (attempt - 1) if attempt else 0.0
+            left = deadline - time.monotonic()
+            if left <= wait:
+                raise FlowGrpoError(
+                    f"{where}: no reply within the batch's deadline ([reward.remote] "
+                    f"deadline_s = {self.options.deadline_s}) after {attempt} attempt(s), "
+                    f"last: {failure or 'none'}; is the server up, or too slow?"
+                )
+            time.sleep(wait)
             try:
-                status, reason, raw = self._attempt(body, where)
+                status, reason, raw = self._attempt(body, where, deadline - time.monotonic())
             except (OSError, http.client.HTTPException) as err:
                 failure = f"{type(err).__name__}: {err}"
                 continue
@@ -147,12 +163,13 @@ class RemoteReward:
             f"max_retries = {self.options.max_retries}); is the server up?"
         )
 
-    def _attempt(self, body: bytes, where: str) -> tuple[int, str, bytes]:
+    def _attempt(self, body: bytes, where: str, left: float = math.inf) -> tuple[int, str, bytes]:
         """One request: (status, reason, body of the reply). A watchdog shuts the socket at
-        the deadline, which ends any read blocked on it, so the whole attempt is bounded."""
+        the deadline (timeout_s, or the `left` seconds of the batch's deadline if fewer),
+        which ends any read blocked on it, so the whole attempt is bounded."""
         url = urllib.parse.urlsplit(self.options.url)
         kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-        timeout = self.options.timeout_s
+        timeout = min(self.options.timeout_s, max(left, 0.001))
         connection = kind(url.hostname, url.port, timeout=timeout)
         expired = threading.Event()
         sockets = []  # the socket, kept here: the connection drops it once a reply is read

@@ -87,6 +87,11 @@ class RewardSet:
         return tuple(reward.name for reward in self._rewards)
 
     @property
+    def needs(self) -> dict[str, frozenset[str]]:
+        """Per reward, the batch fields it reads (a server checks requests against them)."""
+        return {reward.name: frozenset(reward.needs) for reward in self._rewards}
+
+    @property
     def info(self) -> dict[str, dict[str, object]]:
         """Per reward: its weight and what it scores with (model and commit, engine, URL),
         which the score stage records so that a run says what scored it."""
@@ -182,6 +187,7 @@ def build_rewards(
     ocr_workers: int = 1,
     remote: RemoteOptions | None = None,
     models: ModelRewardOptions | None = None,
+    plugin_timeout_s: float = 600.0,
 ) -> RewardSet:
     """The rewards named in `weights` ([reward] weights of the config), built and ready.
 
@@ -197,7 +203,10 @@ def build_rewards(
             raise FlowGrpoError(f"[reward] weights: {name!r} = {weight!r}: must be a finite number")
     builders = {name: resolve(name) for name in weights}
     options = RewardOptions(
-        ocr_workers=ocr_workers, remote=remote, models=models or ModelRewardOptions()
+        ocr_workers=ocr_workers,
+        remote=remote,
+        models=models or ModelRewardOptions(),
+        plugin_timeout_s=plugin_timeout_s,
     )
     built: list[Reward] = []
     try:

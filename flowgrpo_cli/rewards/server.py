@@ -18,6 +18,12 @@ models run on other machines or GPUs and the trainer's `remote` reward talks to 
 - A malformed request is HTTP 400 with what is wrong; a reward that fails as a whole (a bug,
   a wrong number of scores) is HTTP 500 with its message, which the `remote` reward retries
   and then reports; a failure on single images travels in `errors`, as the format says.
+- Requests are untrusted and bounded (`Limits`, each a `serve-reward` option): the body is
+  read as it streams in and refused with 413 once past `max_request_mb` (a declared
+  Content-Length over it is refused before reading anything); more than `max_images` images,
+  an image whose header declares more than `max_image_pixels` pixels (checked before it is
+  decoded: a decompression bomb never is), and JSON nested deeper than `max_json_depth` are
+  400, each naming the option. A client that hangs up mid-body is one log line.
 """
 
 from __future__ import annotations
@@ -28,15 +34,18 @@ import binascii
 import contextlib
 import io
 import itertools
+import logging
 import math
 import signal
 import socket
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from flowgrpo_cli import untrusted
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import RewardBatch
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult
@@ -46,29 +55,119 @@ class BadRequest(Exception):
     """What is wrong with a request, for its HTTP 400 reply."""
 
 
-def parse_batch(body: Any) -> RewardBatch:
+class TooLarge(Exception):
+    """A request body over the size limit, for its HTTP 413 reply."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may hold; each is a `serve-reward` option of the same name."""
+
+    max_request_mb: float = 128.0  # body size, read as it streams in
+    max_image_pixels: int = 2048 * 2048  # width x height of one image, from its header
+    max_images: int = 64  # images in one request
+    max_json_depth: int = 32  # nesting of arrays and objects; the wire format needs 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_mb", "max_image_pixels", "max_images", "max_json_depth"):
+            value = getattr(self, name)
+            if not value > 0:
+                option = "--" + name.replace("_", "-")
+                raise FlowGrpoError(f"{option} {value}: must be > 0")
+
+    @property
+    def max_request_bytes(self) -> int:
+        return int(self.max_request_mb * 2**20)
+
+
+_PNG = b"\x89PNG\r\n\x1a\n"
+_TEXT_COLUMNS = {"prompts": False, "ground_truths": True}  # key -> whether null is allowed
+
+
+def parse_batch(body: Any, limits: Limits | None = None) -> RewardBatch:
     """A wire-format request as a RewardBatch; BadRequest names the first problem."""
+    limits = limits or Limits()
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object with `images`")
     images = body.get("images")
     if not isinstance(images, list) or not images:
         raise BadRequest("`images` must be a non-empty list of base64 PNG strings")
     count = len(images)
+    if count > limits.max_images:
+        raise BadRequest(
+            f"`images`: {count} images in one request; at most {limits.max_images} "
+            "(--max-images): send smaller batches ([reward.remote] batch_size)"
+        )
     lists = {}
     for key in ("prompts", "ground_truths", "metadata"):
         value = body.get(key)
         if value is not None and (not isinstance(value, list) or len(value) != count):
             raise BadRequest(f"`{key}` must be a list with one entry per image ({count})")
+        if value is not None:
+            _check_entries(key, value)
         lists[key] = value
-    decoded = []
-    for index, text in enumerate(images):
-        try:
-            data = base64.b64decode(text, validate=True)
-            with Image.open(io.BytesIO(data)) as image:
-                decoded.append(image.convert("RGB"))
-        except (TypeError, ValueError, binascii.Error, UnidentifiedImageError, OSError):
-            raise BadRequest(f"images[{index}] is not a base64-encoded image") from None
+    decoded = [_decode_image(index, text, limits) for index, text in enumerate(images)]
     return RewardBatch(decoded, lists["prompts"], lists["ground_truths"], lists["metadata"])
+
+
+def _check_entries(key: str, values: list) -> None:
+    for index, value in enumerate(values):
+        if key == "metadata":
+            ok, what = isinstance(value, dict), "an object"
+        else:
+            ok = isinstance(value, str) or (value is None and _TEXT_COLUMNS[key])
+            what = "a string or null" if _TEXT_COLUMNS[key] else "a string"
+        if not ok:
+            raise BadRequest(f"`{key}[{index}]` must be {what}, got {type(value).__name__}")
+
+
+def _decode_image(index: int, text: object, limits: Limits) -> Image.Image:
+    """Image `index` of a request, refused before decoding when its header declares more
+    than the pixel limit (a decompression bomb is a few hundred bytes of PNG)."""
+    where = f"images[{index}]"
+    try:
+        data = base64.b64decode(text, validate=True)  # type: ignore[arg-type]
+    except (TypeError, ValueError, binascii.Error):
+        raise BadRequest(f"{where} is not a base64-encoded image") from None
+    if data.startswith(_PNG) and len(data) >= 24:
+        _check_pixels(where, *struct.unpack(">II", data[16:24]), limits)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            _check_pixels(where, *image.size, limits)
+            return image.convert("RGB")
+    except Image.DecompressionBombError as err:  # a format whose header was not read above
+        raise BadRequest(f"{where}: {err} (--max-image-pixels {limits.max_image_pixels})") from None
+    except (TypeError, ValueError, UnidentifiedImageError, OSError):
+        raise BadRequest(f"{where} is not a base64-encoded image") from None
+
+
+def _check_pixels(where: str, width: int, height: int, limits: Limits) -> None:
+    if width * height > limits.max_image_pixels:
+        raise BadRequest(
+            f"{where} is {width}x{height} = {width * height} pixels; at most "
+            f"{limits.max_image_pixels} (--max-image-pixels)"
+        )
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The request's body, read as it arrives; TooLarge as soon as it passes `limit` bytes
+    (at once when its Content-Length says it will), without reading the rest."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"{int(declared)} bytes declared")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def url_of(host: str, port: int) -> str:
+    """The URL of the score endpoint; an IPv6 address goes in brackets."""
+    shown = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{shown}:{port}/score"
 
 
 @dataclass(eq=False)  # a job is itself: `in` compares identity, never two batches' images
@@ -156,17 +255,39 @@ def _merged(batches: list[RewardBatch]) -> RewardBatch:
     return RewardBatch(images, joined("prompts"), joined("ground_truths"), joined("metadata"))
 
 
-def build_app(scorer: BatchingScorer):  # -> starlette.applications.Starlette
+def build_app(scorer: BatchingScorer, limits: Limits | None = None):  # -> Starlette
     from starlette.applications import Starlette
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
+    limits = limits or Limits()
+
     async def score(request: Request) -> JSONResponse:
         try:
-            batch = parse_batch(await request.json())
-        except ValueError:  # json.JSONDecodeError included
-            return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+            raw = await read_body(request, limits.max_request_bytes)
+        except TooLarge as err:
+            return JSONResponse(
+                {"error": f"the body is too large ({err}); at most {limits.max_request_mb} MB "
+                          "(--max-request-mb): send smaller batches ([reward.remote] batch_size)"},
+                status_code=413, headers={"Connection": "close"},
+            )  # fmt: skip
+        except ClientDisconnect:
+            client = f"{request.client.host}:{request.client.port}" if request.client else "?"
+            logging.getLogger("uvicorn.error").warning(
+                "client %s disconnected before sending its whole request", client
+            )
+            return JSONResponse({"error": "disconnected"}, status_code=400)
+        try:
+            body = untrusted.loads(raw, max_depth=limits.max_json_depth)
+        except untrusted.BadJSON as err:
+            if err.column is not None:
+                return JSONResponse({"error": f"the body is not JSON ({err})"}, status_code=400)
+            depth = " (--max-json-depth)" if "nested" in str(err) else ""
+            return JSONResponse({"error": f"the body is refused: {err}{depth}"}, status_code=400)
+        try:
+            batch = await asyncio.to_thread(parse_batch, body, limits)
+            _check_needs(scorer.rewards, batch)
         except BadRequest as problem:
             return JSONResponse({"error": str(problem)}, status_code=400)
         try:
@@ -182,28 +303,42 @@ def build_app(scorer: BatchingScorer):  # -> starlette.applications.Starlette
     return Starlette(routes=[Route("/score", score, methods=["POST"]), Route("/health", health)])
 
 
+def _check_needs(rewards: Any, batch: RewardBatch) -> None:
+    """BadRequest naming the field a served reward needs and the request lacks."""
+    for name, needs in getattr(rewards, "needs", {}).items():
+        for need in sorted(needs):
+            if not batch.has(need):
+                raise BadRequest(f"`{need}` is missing: the served reward {name!r} needs it")
+
+
 def serve(
     rewards: RewardSet,
     host: str,
     port: int,
     on_ready: Callable[[str], None],
     max_images: int = 64,
+    limits: Limits | None = None,
 ) -> None:
-    """Serve `rewards` until SIGINT / SIGTERM, at most `max_images` images a scored batch;
-    `on_ready(url)` once the port is bound (port 0 picks a free one)."""
+    """Serve `rewards` until SIGINT / SIGTERM, at most `max_images` images a scored batch,
+    requests within `limits`; `on_ready(url)` once the port is bound (port 0 picks a free
+    one)."""
+    if not 0 <= port <= 65535:
+        raise FlowGrpoError(f"--port {port}: must be in 0..65535 (0 picks a free one)")
     scorer = BatchingScorer(rewards, max_images)
     import uvicorn
 
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, port))
-    except OSError as err:
+        listener.bind((host.strip("[]"), port))
+    except (OSError, OverflowError) as err:
+        listener.close()
         raise FlowGrpoError(f"serve-reward: cannot listen on {host}:{port}: {err}") from None
     listener.listen(128)  # from here connections wait in the backlog until uvicorn accepts
     bound = listener.getsockname()[1]
-    config = uvicorn.Config(build_app(scorer), log_level="warning", timeout_graceful_shutdown=30)
-    on_ready(f"http://{host}:{bound}/score")
+    app = build_app(scorer, limits)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30)
+    on_ready(url_of(host.strip("[]"), bound))
     _server_class()(config).run(sockets=[listener])
 
 

@@ -250,9 +250,18 @@ class SamplerSection:
     )
 
 
+def _remote_url(v: str) -> str | None:
+    problem = reward_defaults.url_problem(v) if v else None  # "" : no remote reward
+    return f"is refused: {problem}" if problem else None
+
+
 @dataclass
 class RemoteRewardSection:
-    url: str = _option("", "URL the `remote` reward POSTs image batches to.")
+    url: str = _option(
+        "",
+        "URL the `remote` reward POSTs image batches to.",
+        check=_remote_url,
+    )
     timeout_s: float = _option(
         60.0,
         "Seconds one request may take, its whole reply included (then it is retried).",
@@ -265,6 +274,13 @@ class RemoteRewardSection:
     max_reply_mb: float = _option(
         16.0,
         "A larger reply is refused unread (the server is broken).",
+        check=_positive,
+        affects_results=False,
+    )
+    deadline_s: float = _option(
+        600.0,
+        "Seconds all requests for one batch of images may take, retries and waits between "
+        "them included; then scoring stops with an error.",
         check=_positive,
         affects_results=False,
     )
@@ -344,6 +360,13 @@ class RewardSection:
         "Folders searched first for `module:function` plugins, as if on PYTHONPATH; stored "
         "absolute, so the run finds its plugins from any folder.",
         path="local",
+        affects_results=False,
+    )
+    plugin_timeout_s: float = _option(
+        600.0,
+        "Seconds one call of a `module:function` plugin (one batch) may take; then its "
+        "worker process is stopped and scoring stops with an error naming it.",
+        check=_positive,
         affects_results=False,
     )
     device: str = _option(
@@ -747,6 +770,11 @@ def _build_section(
 
 def _parse_override(item: str) -> tuple[str, Any]:
     """`sampler.noise_level=0.8` -> ("sampler.noise_level", 0.8); bare words stay strings."""
+    if "\n" in item or "\r" in item:  # TOML would end the value there and drop the rest
+        raise FlowGrpoError(
+            f"--set {item!r}: a value cannot hold a newline; give one KEY=VALUE per --set "
+            "(a TOML string writes one as \\n)"
+        )
     if "=" not in item:
         raise FlowGrpoError(f"--set {item}: expected KEY=VALUE, e.g. sampler.noise_level=0.8")
     key, text = item.split("=", 1)
@@ -770,11 +798,6 @@ def _apply_override(raw: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(node, dict):
             raise FlowGrpoError(f"--set {key}: `{table}` is not a table")
     node[last] = value
-    if "\n" in item or "\r" in item:  # TOML would end the value there and drop the rest
-        raise FlowGrpoError(
-            f"--set {item!r}: a value cannot hold a newline; give one KEY=VALUE per --set "
-            "(a TOML string writes one as \\n)"
-        )
 
 
 def build_config(raw: dict[str, Any], source: _Source) -> Config:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from flowgrpo_cli import untrusted
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import ITERATION_STAGES, RunDir, atomic_write_bytes, read_metrics
 
 
@@ -31,6 +33,27 @@ def rebuild(run: RunDir, last_iteration: int) -> list[dict[str, Any]]:
 
 
 def read_log(run: RunDir) -> list[dict[str, Any]]:
-    if not run.metrics_path.is_file():
+    """The log's lines; a line that is not a JSON object with an integer `iteration` (a
+    truncated or edited file) is a FlowGrpoError naming the file and line."""
+    path = run.metrics_path
+    if not path.is_file():
         return []
-    return [json.loads(line) for line in run.metrics_path.read_text().splitlines() if line]
+    lines = []
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = untrusted.loads(raw)
+        except untrusted.BadJSON as err:
+            raise FlowGrpoError(
+                f"{path}:{number}: {err}; delete the line or the file (the loop rebuilds it "
+                "from the stage folders)"
+            ) from None
+        iteration = line.get("iteration") if isinstance(line, dict) else None
+        if isinstance(iteration, bool) or not isinstance(iteration, int):
+            raise FlowGrpoError(
+                f"{path}:{number}: expected a JSON object with an integer `iteration`, got "
+                f"{raw[:80].decode('utf-8', 'replace')!r}"
+            )
+        lines.append(line)
+    return lines

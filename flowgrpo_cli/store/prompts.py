@@ -9,11 +9,11 @@ refused only when a reward that needs targets will score it (`needs_target`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowgrpo_cli import untrusted
 from flowgrpo_cli.errors import FlowGrpoError
 
 # The first quoted span: straight double quotes, or curly ones opened with “ and closed with ”.
@@ -116,9 +116,13 @@ def _read_jsonl(path: Path) -> list[PromptRow | PromptProblem]:
             out.append(PromptProblem(source, "empty line"))
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            out.append(PromptProblem(f"{source}:{err.colno}", f"invalid JSON: {err.msg}"))
+            obj = untrusted.loads(line)
+        except untrusted.BadJSON as err:
+            if err.column is not None:  # not JSON: where the parser stopped
+                where, what = f"{source}:{err.column}", str(err).replace("not JSON", "invalid JSON")
+            else:  # too deep, a huge number, a lone surrogate
+                where, what = source, str(err)
+            out.append(PromptProblem(where, what))
             continue
         if not isinstance(obj, dict) or "prompt" not in obj:
             out.append(PromptProblem(source, "expected a JSON object with a `prompt` key"))
@@ -134,6 +138,10 @@ def _read_csv(path: Path) -> list[PromptRow | PromptProblem]:
     import csv
 
     lines = _lines(path)
+    # The csv module refuses fields over 128 KiB; the file is in memory already, so a field
+    # as long as the whole file costs nothing more (a long prompt is not a broken quote).
+    longest = sum(len(line) + 1 for line in lines if isinstance(line, str))
+    csv.field_size_limit(max(csv.field_size_limit(), longest))
     undecodable = {n: line for n, line in enumerate(lines, 1) if isinstance(line, PromptProblem)}
     reader = csv.reader(
         [("" if isinstance(line, PromptProblem) else line) + "\n" for line in lines], strict=True
