@@ -62,6 +62,7 @@ def export_checkpoint(
                 "train.ema_decay = 0); export without --ema"
             )
         raise FlowGrpoError(f"{weights} is missing: was the run trained in another train.mode?")
+    _check_weights_file(weights)
     _check_new_folder(out)
     merged = merged or config.train.mode == "full"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -69,25 +70,23 @@ def export_checkpoint(
     staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     staging.mkdir()
     try:
+        (staging / _STAGING_MARK).write_bytes(b"")
         if merged:
             _write_pipeline(config, weights, staging, dtype)
-        (staging / _STAGING_MARK).write_bytes(b"")
         else:
             shutil.copyfile(weights, staging / weights.name)
             _check_copy(staging / weights.name, manifest, weights.relative_to(checkpoint))
         shutil.copyfile(run.config_path, staging / CONFIG_COPY)
         card = model_card(config, run, number, ema=ema, merged=merged, command=command)
         (staging / "README.md").write_text(card)
+        (staging / _STAGING_MARK).unlink()
         staging.rename(out)
     except BaseException:
-        (staging / _STAGING_MARK).unlink()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return Exported(out, number, "ema" if ema else "policy", merged)
 
 
-def _checkpoint_iteration(run: RunDir, iteration: int | None) -> int:
-    done = run.current_iteration()  # checkpoints 0 .. done - 1 are finished
 # The export is staged in OUT's folder as `.OUT.tmp-PID`, holding this file until renamed.
 _STAGING_MARK = ".flowgrpo-export-staging"
 
@@ -105,6 +104,8 @@ def _remove_killed_exports(out: Path) -> None:
             shutil.rmtree(path)
 
 
+def _checkpoint_iteration(run: RunDir, iteration: int | None) -> int:
+    done = run.current_iteration()  # checkpoints 0 .. done - 1 are finished
     if done == 0:
         raise FlowGrpoError(
             f"{run.root} has no finished update yet, so no checkpoint to export: run "
@@ -126,6 +127,20 @@ def _check_copy(copy: Path, manifest: dict[str, Any], name: Path) -> None:
     recorded = next(part["sha256"] for part in manifest["parts"] if part["name"] == str(name))
     if sha256_file(copy) != recorded:
         raise FlowGrpoError(f"{copy}: not the checkpoint's {name} (changed while copied); retry")
+
+
+def _check_weights_file(weights: Path) -> None:
+    """A weights file whose bytes match a re-hashed manifest is still read before it is
+    exported: what is handed on must be a safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    from flowgrpo_cli.training.policy import unreadable_safetensors
+
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            handle.keys()
+    except SafetensorError as err:
+        raise FlowGrpoError(f"{weights}: {unreadable_safetensors(err)}") from None
 
 
 def _check_new_folder(out: Path) -> None:
@@ -249,8 +264,13 @@ def _eval_reward(run: RunDir, iteration: int) -> float | None:
     path = run.eval_dir(iteration) / "metrics.json"
     if not path.is_file():
         return None
-    metrics: dict[str, Any] = json.loads(path.read_text())
-    value = metrics.get("eval/reward_mean")
+    try:
+        metrics = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FlowGrpoError(f"{path}: not valid JSON ({err})") from None
+    value = metrics.get("eval/reward_mean") if isinstance(metrics, dict) else None
+    if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+        raise FlowGrpoError(f"{path}: `eval/reward_mean` is {value!r}, not a number")
     return float(value) if value is not None else None
 
 
@@ -271,8 +291,32 @@ def push_to_hub(folder: Path, repo: str, *, private: bool = False) -> str:
         raise FlowGrpoError(
             f"--push-to-hub {repo}: {offline_note()}. The export itself is in {folder}"
         ) from None
+    except _connection_errors() as err:  # no network, a proxy or DNS failure, a timeout
+        hint = offline_note() or "check the network (and HF_ENDPOINT if you set it)"
+        raise FlowGrpoError(
+            f"--push-to-hub {repo}: cannot reach the Hub at {api.endpoint} "
+            f"({type(err).__name__}: {err}); {hint}, then upload with `hf upload {repo} "
+            f"{folder}`. The export itself is in {folder}"
+        ) from None
     except (HfHubHTTPError, OSError, ValueError) as err:
         raise FlowGrpoError(
             f"--push-to-hub {repo} failed: {err}. The export itself is in {folder}"
         ) from None
     return str(url)
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub's HTTP client raises when the Hub cannot be reached: the transport
+    errors of httpx (huggingface_hub 1.x) or its fork httpx2 (2.x), requests' connection
+    errors and timeouts (0.x). Only the clients installed are asked."""
+    import importlib
+
+    errors: list[type[BaseException]] = []
+    for module, names in (("httpx2", ("TransportError",)), ("httpx", ("TransportError",)),
+                          ("requests", ("ConnectionError", "Timeout"))):  # fmt: skip
+        try:
+            client = importlib.import_module(module)
+        except ImportError:
+            continue
+        errors += [getattr(client, name) for name in names if hasattr(client, name)]
+    return tuple(errors)

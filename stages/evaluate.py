@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
@@ -20,6 +19,7 @@ from flowgrpo_cli.launch.distributed import dist_info
 from flowgrpo_cli.launch.stage import Finished, run_stage, verify_inputs
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.store.config import Config, config_hash
+from flowgrpo_cli.store.datatable import read_split
 from flowgrpo_cli.store.rundir import (
     EVAL,
     PREPARE,
@@ -37,7 +37,7 @@ GRID_IMAGES = 16
 
 def _requests(config: Config, run: RunDir) -> list[SampleRequest]:
     require_manifest(run.data_dir, PREPARE.command)
-    rows = pq.read_table(run.data_dir / "test.parquet").to_pylist()
+    rows = read_split(run, "test")
     if config.eval.num_prompts:
         rows = rows[: config.eval.num_prompts]
     return [

@@ -29,6 +29,7 @@ from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_i
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.datatable import read_split
 from flowgrpo_cli.store.rundir import (
     PREPARE,
     ROLLOUT,
@@ -139,18 +140,7 @@ def rank_groups(num_groups: int, info: DistInfo) -> list[int]:
 def build_requests(
     config: Config, run: RunDir, iteration: int, groups: list[int]
 ) -> list[SampleRequest]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(run.data_dir / "train.parquet")
-    missing = {"prompt", "ground_truth", "negative_prompt", "system_prompt"} - set(
-        table.column_names
-    )
-    if missing:
-        raise FlowGrpoError(
-            f"{run.data_dir / 'train.parquet'} lacks column(s) {sorted(missing)}: "
-            "re-run `flowgrpo prepare`"
-        )
-    rows = table.to_pylist()
+    rows = read_split(run, "train")  # a file that is not what prepare wrote is named
     chosen = select_prompts(
         len(rows), config.algorithm.prompts_per_iteration, config.run.seed, iteration
     )

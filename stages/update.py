@@ -105,7 +105,15 @@ def load_iteration(
         )
     parts = [rollout_dir / name for name in rollout.trajectory_parts]
     samples = read_table(parts, ["sample_id", "group_id"])
-    score_table = read_table([scores_dir / name for name in scores.parts])
+    score_columns = ["sample_id", "reward", *scores.rewards]
+    score_table = read_table([scores_dir / name for name in scores.parts], score_columns)
+    for name in score_columns[1:]:  # a part re-hashed to match but not what score wrote
+        kind = score_table.schema.field(name).type
+        if not (pa.types.is_floating(kind) or pa.types.is_integer(kind) or pa.types.is_null(kind)):
+            raise FlowGrpoError(
+                f"{scores_dir}: column `{name}` holds {kind}, not numbers; delete {scores_dir} "
+                f"and re-run `flowgrpo score --iteration {iteration}`"
+            )
     by_id = {sid: i for i, sid in enumerate(score_table.column("sample_id").to_pylist())}
     sample_ids = samples.column("sample_id").to_pylist()
     missing = [sid for sid in sample_ids if sid not in by_id]

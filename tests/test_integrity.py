@@ -6,7 +6,15 @@ import json
 
 import pyarrow as pa
 import pytest
-from helpers import do_iteration, do_rollout, do_score, do_update, flip_one_byte, policy_for
+from helpers import (
+    do_iteration,
+    do_rollout,
+    do_score,
+    do_update,
+    flip_one_byte,
+    policy_for,
+    rewrite_part,
+)
 from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
@@ -83,7 +91,8 @@ def test_a_sample_id_cannot_write_outside_the_images_folder(make_run, tmp_path):
         altered = table.set_column(
             table.column_names.index("sample_id"), "sample_id", pa.array([bad, *ids[1:]])
         )
-        write_table(part, altered)
+        # re-hashed as its writer would: inspect verifies the part before it reads it
+        rewrite_part(part.parent, PART, lambda path, table=altered: write_table(path, table))
         images = tmp_path / "images"
         result = CliRunner().invoke(app, ["inspect", str(part), "--images", str(images)])
         assert result.exit_code == 1 and "not a plain file name" in result.output

@@ -16,6 +16,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
@@ -48,8 +49,20 @@ class SD3Adapter(PipelinePlacement):
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
         factor = self.pipeline.vae_scale_factor
-        check_image_size(height, width, factor * self.transformer.config.patch_size)
-        return (self.transformer.config.in_channels, height // factor, width // factor)
+        config = self.transformer.config
+        check_image_size(height, width, factor * config.patch_size)
+        # SD3's positional embedding is a table cropped to the image: a larger image has no
+        # rows in it (diffusers raises a ValueError in the first forward).
+        if config.get("pos_embed_max_size"):
+            largest = config.pos_embed_max_size * config.patch_size * factor
+            if max(height, width) > largest:
+                raise FlowGrpoError(
+                    f"model.height x model.width = {height}x{width} is larger than this SD3 "
+                    f"transformer can draw: at most {largest} px a side (its pos_embed_max_size "
+                    f"{config.pos_embed_max_size} x patch {config.patch_size} x VAE {factor}); "
+                    "set model.height and model.width to at most that"
+                )
+        return (config.in_channels, height // factor, width // factor)
 
     @torch.no_grad()
     def encode_prompts(

@@ -3,28 +3,37 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import re
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import (
+    CHECKPOINT,
+    EVAL,
     ITERATION_STAGES,
     MANIFEST,
     RunDir,
     read_manifest,
+    sha256_file,
     verify_stage,
 )
 from flowgrpo_cli.store.trajectory import iter_batches, open_part
 
 
 def describe(console: Console, path: Path, *, images_dir: Path | None = None) -> None:
+    """Describe `path` and verify what it holds against the manifests: a run, an iteration
+    and a stage folder every finished stage in it, a part file its entry in its stage's
+    manifest. Damage is printed where it is found and ends in a FlowGrpoError (exit 1)."""
     if not path.exists():
         raise FlowGrpoError(f"{path} does not exist")
     if path.is_file():
+        _verify_part(console, path)
         _describe_parts(console, [path], images_dir)
     elif (path / "config.toml").is_file():
         _describe_run(console, RunDir(path))
@@ -36,6 +45,13 @@ def describe(console: Console, path: Path, *, images_dir: Path | None = None) ->
         raise FlowGrpoError(f"{path} is not a run, an iteration, a stage folder or an Arrow part")
 
 
+def _raise_damage(problems: list[str]) -> None:
+    """The first problem as the error (exit 1); the others were printed above it."""
+    if problems:
+        more = len(problems) - 1
+        raise FlowGrpoError(problems[0] + (f" (and {more} more, listed above)" if more else ""))
+
+
 def _status(stage_dir: Path) -> str:
     manifest = read_manifest(stage_dir)
     if manifest is not None:
@@ -45,39 +61,104 @@ def _status(stage_dir: Path) -> str:
     return "[yellow]incomplete[/]" if stage_dir.exists() else "-"
 
 
-def _verified(stage_dir: Path) -> str:
-    """Every part the manifest lists, checked against its recorded size and sha256."""
-    try:
-        manifest = verify_stage(stage_dir)
-    except FlowGrpoError as err:
-        return f"[red]{err}[/]"
-    return f"[green]{len(manifest['parts'])} part(s) match their recorded size and sha256[/]"
+class _Verifier:
+    """Verifies finished stage folders (every part against its recorded size and sha256) and
+    keeps what was wrong, so a whole run is looked at before the command fails."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.parts = 0
+
+    def status(self, stage_dir: Path) -> str:
+        """_status of a stage folder, marked damaged (in red) when a finished one fails."""
+        try:
+            status = _status(stage_dir)
+            if read_manifest(stage_dir) is not None:
+                self.parts += len(verify_stage(stage_dir)["parts"])
+        except FlowGrpoError as err:
+            self.problems.append(str(err))
+            return "[red]damaged[/]"
+        return status
+
+    def summary(self, console: Console) -> None:
+        for problem in self.problems[1:]:  # the first one is the command's error
+            console.print(f"[red]damaged:[/] {escape(problem)}", highlight=False)
+        if not self.problems:
+            console.print(
+                f"[green]{self.parts} part(s) match their recorded size and sha256[/]",
+                highlight=False,
+            )
+        _raise_damage(self.problems)
 
 
 def _describe_run(console: Console, run: RunDir) -> None:
+    check = _Verifier()
     table = Table(title=f"run {run.root}", show_edge=False)
     table.add_column("iteration")
     for stage in ITERATION_STAGES:
         table.add_column(stage.folder)
     table.add_column("checkpoint")
     for number in run.iterations():
-        cells = [_status(run.stage_dir(number, stage)) for stage in ITERATION_STAGES]
-        table.add_row(str(number), *cells, _status(run.checkpoint_dir(number)))
-    console.print(f"data: {_status(run.data_dir)}")
+        cells = [check.status(run.stage_dir(number, stage)) for stage in ITERATION_STAGES]
+        table.add_row(str(number), *cells, check.status(run.checkpoint_dir(number)))
+    console.print(f"data: {check.status(run.data_dir)}")
     console.print(table)
+    evaluations = sorted(p for p in (run.root / EVAL.folder).glob("iter-*") if p.is_dir())
+    for folder in evaluations:  # evaluations of iterations beyond the table's included
+        check.status(folder)
+    for number in _checkpoint_numbers(run):
+        if number not in run.iterations():
+            check.status(run.checkpoint_dir(number))
     console.print(f"current iteration: {run.current_iteration()}")
+    check.summary(console)
+
+
+def _checkpoint_numbers(run: RunDir) -> list[int]:
+    found = []
+    for path in (run.root / CHECKPOINT.folder).glob("iter-*"):
+        suffix = path.name.removeprefix("iter-")
+        if path.is_dir() and suffix.isdigit():
+            found.append(int(suffix))
+    return sorted(found)
 
 
 def _describe_iteration(console: Console, folder: Path) -> None:
+    check = _Verifier()
     for stage in ITERATION_STAGES:
-        console.print(f"[bold]{stage.folder}[/]: {_status(folder / stage.folder)}")
+        console.print(f"[bold]{stage.folder}[/]: {check.status(folder / stage.folder)}")
+    check.summary(console)
+
+
+def _verify_part(console: Console, path: Path) -> None:
+    """One file against its entry in its folder's manifest (the checks of verify_stage)."""
+    stage_dir = path.parent
+    manifest = read_manifest(stage_dir)
+    entry = next((p for p in (manifest or {}).get("parts", []) if p["name"] == path.name), None)
+    if manifest is None or entry is None:
+        why = "has no manifest (an unfinished stage)" if manifest is None else "does not list it"
+        console.print(f"[yellow]not verified:[/] {stage_dir} {why}", highlight=False)
+        return
+    redo = f"delete {stage_dir} and run the stage that wrote it again"
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise FlowGrpoError(
+            f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
+            f"replaced); {redo}"
+        )
+    if sha256_file(path) != entry["sha256"]:
+        raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered); {redo}")
+    console.print("[green]matches its recorded size and sha256[/]", highlight=False)
 
 
 def _describe_stage(console: Console, folder: Path, images_dir: Path | None) -> None:
     console.print(f"[bold]{folder}[/]: {_status(folder)}")
     manifest = read_manifest(folder)
     if manifest is not None:
-        console.print(_verified(folder), highlight=False)
+        verified = verify_stage(folder)  # damage: the command's error, exit 1
+        console.print(
+            f"[green]{len(verified['parts'])} part(s) match their recorded size and sha256[/]",
+            highlight=False,
+        )
     if manifest is not None and "sampler" in manifest:
         sampler = manifest["sampler"]
         console.print(
@@ -122,7 +203,13 @@ def _describe_parts(console: Console, parts: list[Path], images_dir: Path | None
         _log_prob_table(console, np.concatenate(log_probs))
     if writer is not None:
         writer.close()
-        console.print(f"{writer.count} images -> {images_dir}")
+        console.print(f"{writer.count} images -> {images_dir}", highlight=False)
+        if writer.renamed:
+            console.print(
+                f"{writer.renamed} of them under another name than their sample id (missing, "
+                "repeated or too long): prompts.tsv gives each file's sample id",
+                highlight=False,
+            )
 
 
 def _log_prob_table(console: Console, values: np.ndarray) -> None:
@@ -136,29 +223,61 @@ def _log_prob_table(console: Console, values: np.ndarray) -> None:
 
 
 _FILE_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+_MAX_STEM = 100  # characters of a sample id kept in its file name (file systems allow 255 bytes)
 
 
 class _ImageDump:
-    """Writes each row's PNG as SAMPLE_ID.png and one prompts.tsv line per image."""
+    """Writes each row's PNG as SAMPLE_ID.png and one prompts.tsv line per image.
+
+    Every image gets a file of its own: a sample id too long for a file name is shortened
+    (its start and a hash of the whole), and a missing or repeated one gets a numbered name;
+    prompts.tsv maps each file to its sample id. `count` is the number of files written."""
 
     def __init__(self, folder: Path):
-        folder.mkdir(parents=True, exist_ok=True)
+        if folder.exists() and not folder.is_dir():
+            raise FlowGrpoError(f"--images {folder}: exists and is not a folder; name a folder")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise FlowGrpoError(f"--images {folder}: cannot create it ({err.strerror})") from None
         self.folder = folder
         self.count = 0
+        self.renamed = 0
+        self._used: set[str] = set()  # lower-cased: distinct on case-insensitive disks too
         self._tsv = open(folder / "prompts.tsv", "w", newline="", encoding="utf-8")  # noqa: SIM115
         self._csv = csv.writer(self._tsv, delimiter="\t")
-        self._csv.writerow(["file", "prompt", "ground_truth"])
+        self._csv.writerow(["file", "prompt", "ground_truth", "sample_id"])
+
+    def _name(self, sample_id: object) -> str:
+        if sample_id is None:
+            stem = "no-sample-id"
+        else:
+            stem = str(sample_id)
+            if not _FILE_NAME.fullmatch(f"{stem}.png"):  # a sample id read from a file
+                raise FlowGrpoError(
+                    f"sample_id {stem!r} is not a plain file name (letters, digits, '.', "
+                    f"'_', '-'): no image written for it outside {self.folder}"
+                )
+            if len(stem) > _MAX_STEM:
+                digest = hashlib.sha256(stem.encode()).hexdigest()[:12]
+                stem = f"{stem[: _MAX_STEM - 13]}-{digest}"
+        name, number = f"{stem}.png", 2
+        while name.lower() in self._used:
+            name, number = f"{stem}-{number}.png", number + 1
+        self._used.add(name.lower())
+        self.renamed += name != f"{sample_id}.png"
+        return name
 
     def add(self, batch) -> None:
         for row in batch.select(["sample_id", "prompt", "ground_truth", "image"]).to_pylist():
-            name = f"{row['sample_id']}.png"
-            if not _FILE_NAME.fullmatch(name):  # a sample id read from a file names the PNG
+            if not isinstance(row["image"], bytes):
                 raise FlowGrpoError(
-                    f"sample_id {row['sample_id']!r} is not a plain file name (letters, digits, "
-                    f"'.', '_', '-'): no image written for it outside {self.folder}"
+                    f"sample_id {row['sample_id']!r} has no image bytes (a damaged part): "
+                    f"{self.count} image(s) were written to {self.folder} before it"
                 )
+            name = self._name(row["sample_id"])
             (self.folder / name).write_bytes(row["image"])
-            self._csv.writerow([name, row["prompt"], row["ground_truth"]])
+            self._csv.writerow([name, row["prompt"], row["ground_truth"], row["sample_id"]])
             self.count += 1
 
     def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,8 +69,38 @@ def active_trackers(names: list[str]) -> list[str]:
                 f"log.trackers names {name!r}, which is not installed: pip install "
                 f"'flowgrpo[{name}]' (or take it out of log.trackers)"
             ) from None
+        if name == "wandb":
+            _check_wandb_login()
         active.append(name)
     return active
+
+
+_WANDB_LOGIN = (
+    "log.trackers names 'wandb', but no W&B API key is configured{why}: run `wandb login`, "
+    "set WANDB_API_KEY, or set WANDB_MODE=offline to keep the run local (`wandb sync` later)"
+)
+
+
+def _check_wandb_login() -> None:
+    """Refuse W&B without credentials before any work, rather than fail (or wait for a typed
+    key) in wandb.init once the model is loaded. Offline and disabled modes need none."""
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("offline", "dryrun", "disabled") or os.environ.get("WANDB_API_KEY", "").strip():
+        return
+    try:  # wandb's own lookup: environment, ~/.netrc, its settings file
+        from wandb.errors import AuthenticationError
+        from wandb.sdk.lib.wbauth import authenticate_session
+    except ImportError:  # another wandb: its init says what is missing (see _wandb)
+        return
+    host = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    try:
+        found = authenticate_session(
+            host=host, source="flowgrpo", prompt=False, update_session=False
+        )
+    except AuthenticationError as err:
+        raise FlowGrpoError(_WANDB_LOGIN.format(why=f" ({err})")) from None
+    if found is None:
+        raise FlowGrpoError(_WANDB_LOGIN.format(why=f" for {host}"))
 
 
 @contextmanager
@@ -147,10 +178,13 @@ def _wandb(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Trac
 
     # One W&B run per run folder: a resumed loop continues it rather than starting another.
     run_id = hashlib.sha256(str(run.root).encode()).hexdigest()[:16]
-    return _HostedRun(
-        wandb, project=project, name=name, id=run_id, resume="allow", config=params,
-        dir=str(run.root),
-    )  # fmt: skip
+    try:
+        return _HostedRun(
+            wandb, project=project, name=name, id=run_id, resume="allow", config=params,
+            dir=str(run.root),
+        )  # fmt: skip
+    except wandb.errors.UsageError as err:  # credentials _check_wandb_login could not see
+        raise FlowGrpoError(_WANDB_LOGIN.format(why=f" ({err})")) from None
 
 
 def _trackio(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Tracker:

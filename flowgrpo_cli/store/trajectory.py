@@ -189,6 +189,12 @@ def iter_batches(
     """Record batches of every part in order, memory-mapped, optionally only some columns."""
     for path in paths:
         reader = open_part(path)
+        missing = [c for c in columns or () if c not in reader.schema.names]
+        if missing:
+            raise FlowGrpoError(
+                f"{path} lacks column(s) {missing}: not a part this stage writes (damaged, "
+                "replaced, or from another flowgrpo version)"
+            )
         for index in range(reader.num_record_batches):
             batch = reader.get_batch(index)
             yield batch.select(list(columns)) if columns is not None else batch

@@ -142,6 +142,7 @@ def load_policy(config: Config, device: torch.device) -> Policy:
     if not config.model.path:
         raise FlowGrpoError("model.path is not set: name a diffusers pipeline folder or hub id")
     adapter = load_adapter(config.model.path, dtype=DTYPES[config.model.dtype], device=device)
+    adapter.latent_shape(config.model.height, config.model.width)  # a size it cannot draw
     transformer = adapter.transformer
     transformer.requires_grad_(False)
     if config.train.mode == "lora":
@@ -263,15 +264,23 @@ def read_weights(policy: Policy, path: Path) -> dict[str, torch.Tensor]:
     A LoRA file that records another rank or alpha than the policy's adapter is refused: its
     weights would fit the layers, but run at another scale than the one they were trained at.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as handle:
-        state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-        metadata = handle.metadata() or {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+            metadata = handle.metadata() or {}
+    except SafetensorError as err:
+        raise FlowGrpoError(f"{path}: {unreadable_safetensors(err)}") from None
     if policy.mode == "full":
         return state
     _check_lora_config(policy, path, metadata)
     return {key.removeprefix(LORA_PREFIX): value for key, value in state.items()}
+
+
+def unreadable_safetensors(err: Exception) -> str:
+    """What to say of a weights or optimizer file safetensors cannot read (after `PATH: `)."""
+    return f"not a safetensors file ({err}): damaged or replaced after it was written"
 
 
 def _check_lora_config(policy: Policy, path: Path, metadata: dict[str, str]) -> None:
@@ -280,7 +289,15 @@ def _check_lora_config(policy: Policy, path: Path, metadata: dict[str, str]) -> 
     recorded = metadata.get(LORA_ADAPTER_METADATA_KEY)
     if recorded is None:  # written before the config was recorded: nothing to compare
         return
-    saved = json.loads(recorded)
+    try:
+        saved = json.loads(recorded)
+    except json.JSONDecodeError:
+        saved = None
+    if not isinstance(saved, dict):
+        raise FlowGrpoError(
+            f"{path}: its LoRA config ({LORA_ADAPTER_METADATA_KEY} in the file's metadata) is "
+            "not a JSON object: damaged or replaced after it was written"
+        )
     own = policy.transformer.peft_config[ADAPTER_NAME]
     for key, value in (("r", own.r), ("lora_alpha", own.lora_alpha)):
         if saved.get(f"{LORA_PREFIX}{key}") != value:

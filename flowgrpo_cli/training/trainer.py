@@ -17,7 +17,7 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from flowgrpo_cli.training.policy import (
     Policy,
     checkpoint_version,
     read_weights,
+    unreadable_safetensors,
     weights_file,
     write_weights,
 )
@@ -272,15 +273,33 @@ class Trainer:
         if not path.is_file():
             raise FlowGrpoError(f"{path} is missing: cannot resume the optimizer")
         full = _optimizer_from_file(path)
+        self._check_optimizer_state(full, path)
         set_optimizer_state_dict(
             self.policy.transformer, self.optimizer, full,
             options=StateDictOptions(full_state_dict=True),
         )  # fmt: skip
-        self.state = TrainerState(**json.loads((folder / TRAINER_STATE).read_text()))
+        self.state = _read_trainer_state(folder / TRAINER_STATE)
         if self.ema is not None:
             self._load_shadow(self.ema, folder / EMA_FOLDER)
         if self.anchor is not None and self._load_shadow(self.anchor, folder / ANCHOR_FOLDER):
             self.track_saved_anchor(folder)
+
+    def _check_optimizer_state(self, full: dict[str, Any], path: Path) -> None:
+        """Every saved moment belongs to a trained parameter and has its shape: a file that
+        passed its checksum but holds another model's state is named, not half-loaded."""
+        shapes = {name: tuple(p.shape) for name, p in self.parameters.items()}
+        for param, moments in full["state"].items():
+            if param not in shapes:
+                raise FlowGrpoError(
+                    f"{path}: holds optimizer state for {param!r}, which is not a trained "
+                    "weight of this model (saved for another model, LoRA rank or target list?)"
+                )
+            for field, value in moments.items():
+                if value.dim() and tuple(value.shape) != shapes[param]:
+                    raise FlowGrpoError(
+                        f"{path}: `{param}.{field}` has shape {tuple(value.shape)}, the weight "
+                        f"has shape {shapes[param]} (saved for another model or LoRA rank?)"
+                    )
 
     def track_saved_anchor(self, folder: Path) -> None:
         """The anchor is the one saved in checkpoint `folder`: its version is that file's."""
@@ -322,18 +341,55 @@ def _optimizer_bytes(state: dict[str, Any]) -> bytes:
 
 
 def _optimizer_from_file(path: Path) -> dict[str, Any]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     state: dict[str, dict[str, torch.Tensor]] = {}
-    with safe_open(str(path), framework="pt") as handle:
-        groups = json.loads(handle.metadata()["param_groups"])
-        for key in handle.keys():  # noqa: SIM118 (safe_open has no iterator)
-            param, field = key.removeprefix("state.").rsplit(".", 1)
-            state.setdefault(param, {})[field] = handle.get_tensor(key)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            recorded = (handle.metadata() or {}).get("param_groups")
+            for key in handle.keys():  # noqa: SIM118 (safe_open has no iterator)
+                param, dot, field = key.removeprefix("state.").rpartition(".")
+                if not key.startswith("state.") or not dot:
+                    raise FlowGrpoError(
+                        f"{path}: holds the tensor {key!r}, not optimizer state "
+                        "(state.PARAMETER.FIELD)"
+                    )
+                state.setdefault(param, {})[field] = handle.get_tensor(key)
+    except SafetensorError as err:
+        raise FlowGrpoError(f"{path}: {unreadable_safetensors(err)}") from None
+    try:
+        groups = json.loads(recorded) if recorded is not None else None
+    except json.JSONDecodeError:
+        groups = None
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise FlowGrpoError(
+            f"{path}: its `param_groups` metadata is missing or not a JSON list of objects: "
+            "not an optimizer state flowgrpo wrote"
+        )
     for group in groups:  # JSON turned the betas tuple into a list
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
     return {"state": state, "param_groups": groups}
+
+
+def _read_trainer_state(path: Path) -> TrainerState:
+    """trainer_state.json as TrainerState: every key, of its type, or an error naming it."""
+    if not path.is_file():
+        raise FlowGrpoError(f"{path} is missing: cannot resume the trainer")
+    try:
+        saved = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FlowGrpoError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(saved, dict):
+        raise FlowGrpoError(f"{path}: a JSON {type(saved).__name__}, not a JSON object")
+    kinds = {f.name: type(f.default) for f in fields(TrainerState)}  # int, int, str
+    unknown = sorted(set(saved) - set(kinds))
+    if unknown:
+        raise FlowGrpoError(f"{path}: unknown key(s) {unknown}")
+    for key, kind in kinds.items():
+        if not isinstance(saved.get(key), kind) or isinstance(saved.get(key), bool):
+            raise FlowGrpoError(f"{path}: `{key}` is missing or not a {kind.__name__}")
+    return TrainerState(**saved)
 
 
 def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:

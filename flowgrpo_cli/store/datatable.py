@@ -1,0 +1,49 @@
+"""The prepared prompt tables, RUN/data/{train,test}.parquet, read back and checked.
+
+Rollout and evaluation read them after their checksums were verified; a file whose bytes match
+a re-hashed manifest but that is not what `flowgrpo prepare` writes (not parquet, a column
+missing, a value of another type) is still refused with the file, the row and the column named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.rundir import RunDir
+
+# The columns the stages read, and what each value may be (None: a null is allowed).
+COLUMNS: dict[str, tuple[type, ...]] = {
+    "prompt_index": (int,),
+    "prompt": (str,),
+    "ground_truth": (str, type(None)),
+    "negative_prompt": (str, type(None)),
+    "system_prompt": (str, type(None)),
+}
+
+
+def read_split(run: RunDir, split: str) -> list[dict[str, Any]]:
+    """The rows of data/SPLIT.parquet (`train` or `test`), with the columns stages read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = run.data_dir / f"{split}.parquet"
+    redo = f"delete {run.data_dir} and run `flowgrpo prepare` again"
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise FlowGrpoError(f"{path}: not a readable parquet file ({err}); {redo}") from None
+    missing = sorted(set(COLUMNS) - set(table.column_names))
+    if missing:
+        raise FlowGrpoError(f"{path} lacks column(s) {missing}: {redo}")
+    rows = table.select(list(COLUMNS)).to_pylist()
+    for number, row in enumerate(rows):
+        for column, kinds in COLUMNS.items():
+            value = row[column]
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                wanted = " or ".join(k.__name__ for k in kinds if k is not type(None))
+                wanted += " or null" if type(None) in kinds else ""
+                raise FlowGrpoError(
+                    f"{path}: row {number}, column `{column}` is {value!r}, not a {wanted}; {redo}"
+                )
+    return rows
