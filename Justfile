@@ -39,6 +39,9 @@ demo: setup
     #!/usr/bin/env bash
     set -euo pipefail
     export {{offline}}
+    # One intra-op thread unless you say otherwise: the demo's bytes (and its table in the
+    # README) depend on the thread count, and on a busy machine more threads only wait.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     flowgrpo="{{venv}}/bin/flowgrpo"
     # Rebuilt every time (a second; seeded, so the same bytes): a folder left by an older
     # version of the tiny model is replaced rather than trained on.

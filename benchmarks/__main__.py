@@ -4,6 +4,7 @@
     python -m benchmarks --only rollout,arrow --reps 5
     python -m benchmarks --quick              # 2 rounds per comparison, 1 OCR round
     python -m benchmarks --only loop --loop-iterations 2
+    python -m benchmarks --smoke --out /tmp/smoke.md   # each once, smallest sizes (tests)
 
 See benchmarks/__init__.py for what each benchmark compares.
 """
@@ -41,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="2 timed rounds, 1 OCR round")
     parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check that every benchmark runs: the smallest sizes, 1 round (numbers mean "
+        "nothing; tests/test_benchmarks.py); writes no markdown unless --out is given",
+    )
+    parser.add_argument(
         "--loop-iterations",
         type=int,
         default=None,
@@ -49,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).parent / "results.md",
-        help="markdown file to write (default: benchmarks/results.md)",
+        default=None,
+        help="markdown file to write (default: benchmarks/results.md; none under --smoke)",
     )
     parser.add_argument(
         "--workdir",
@@ -77,9 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     _quiet()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="flowgrpo-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    reps = args.reps or (2 if args.quick else 6)
+    quick = args.quick or args.smoke
+    reps = args.reps or (1 if args.smoke else 2 if quick else 6)
     loop_iterations = args.loop_iterations or 1
-    ctx = Context(workdir=workdir, reps=reps, quick=args.quick, loop_iterations=loop_iterations)
+    ctx = Context(
+        workdir=workdir,
+        reps=reps,
+        quick=quick,
+        loop_iterations=loop_iterations,
+        smoke=args.smoke,
+    )
     report = Report()
     info = machine()
     info["load"] = f"load average at start {load_average()}"
@@ -105,10 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     print(render.console_table(report))
     for section in report.sections:
         print(render.console_section(section))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    out = args.out or (None if args.smoke else Path(__file__).parent / "results.md")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     print(
-        f"\nwrote {args.out} ({info['duration']}); workdir "
+        f"\n{f'wrote {out}' if out else 'no markdown written'} ({info['duration']}); workdir "
         f"{'kept at ' + str(workdir) if args.keep or args.workdir else 'removed'}"
     )
     for name, error in failed:

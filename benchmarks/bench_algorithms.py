@@ -16,7 +16,6 @@ A: `stages.rollout.run` for iteration 0 of the shared tiny run (32 images, the s
 from __future__ import annotations
 
 from benchmarks.common import (
-    SHARED_OVERRIDES,
     Context,
     Report,
     Row,
@@ -36,7 +35,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
 
     runs = {}
     for name in ("nft", "flow_grpo"):
-        overrides = (*SHARED_OVERRIDES, f"algorithm.name={name}")
+        overrides = (*ctx.shared_overrides, f"algorithm.name={name}")
         runs[name] = make_run(ctx.workdir / f"algo-{name}", ctx.model(), *overrides)
     config, _ = runs["flow_grpo"]
     engine = engine_for(ctx.policy(config), config)  # one policy: the same weights sample both
@@ -87,9 +86,9 @@ def _flash_rollout(ctx: Context, report: Report, engine) -> None:
     window = ("algorithm.name=mixgrpo", "sampler.num_steps=20", "sampler.window_size=2")
     flash = ("sampler.post_window_solver=dpm++2m", "sampler.post_window_compress=0.4")
     runs = {
-        "flash": make_run(ctx.workdir / "algo-flash", ctx.model(), *SHARED_OVERRIDES, *window,
+        "flash": make_run(ctx.workdir / "algo-flash", ctx.model(), *ctx.shared_overrides, *window,
                           *flash),
-        "euler": make_run(ctx.workdir / "algo-euler", ctx.model(), *SHARED_OVERRIDES, *window),
+        "euler": make_run(ctx.workdir / "algo-euler", ctx.model(), *ctx.shared_overrides, *window),
     }  # fmt: skip
     timings = _time_rollouts(runs, engine, ctx.reps)
     # Window 0-1 of 20 steps: int((20 - 1) 0.4) = 7 points, 6 steps after it, against 18.

@@ -132,7 +132,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "arrow, no fsync": Side(write_arrow_plain, reset=lambda: remove(plain_part)),
             "copy + fsync": Side(copy_fsync, reset=lambda: remove(copy)),
         },
-        reps=max(ctx.reps, 6),
+        reps=ctx.rounds(6),
     )
     if not part.exists():
         write_arrow()
@@ -153,7 +153,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "plain": Side(read_plain),
             "verify + arrow": Side(verify_then_read_arrow),
         },
-        reps=max(ctx.reps, 6),
+        reps=ctx.rounds(6),
     )
     shape = f"{ROWS} rows, latents [{STEPS + 1}, {', '.join(map(str, LATENT))}] float32"
     report.rows.append(
@@ -169,7 +169,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             f"({fmt_ratio(writes.ratio('arrow, no fsync', 'copy'))} the copy); copy + fsync "
             f"{fmt_s(writes.median('copy + fsync'))} "
             f"({fmt_ratio(writes.ratio('copy + fsync', 'copy'))}); "
-            f"{max(ctx.reps, 6)} rounds",
+            f"{ctx.rounds(6)} rounds",
         )
     )
     report.rows.append(
@@ -182,7 +182,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "-",
             "both from the page cache: Arrow = open_part + every record batch + latents "
             "copied out (tensor_column) and summed; plain = the file read into memory and "
-            f"the same {fmt_mb(latent_bytes)} of float32 summed; {max(ctx.reps, 6)} rounds",
+            f"the same {fmt_mb(latent_bytes)} of float32 summed; {ctx.rounds(6)} rounds",
         )
     )
     report.rows.append(
@@ -195,6 +195,6 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             "yes" if reads.ratio("verify + arrow", "arrow") <= 1.30 else "no",
             f"the {fmt_mb(size)} part of 5b from the page cache: size check + sha256 of the "
             "whole file (what score and update now do to every input part, on rank 0), then "
-            f"the Arrow read of 5b; {max(ctx.reps, 6)} rounds",
+            f"the Arrow read of 5b; {ctx.rounds(6)} rounds",
         )
     )

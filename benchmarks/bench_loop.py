@@ -22,7 +22,6 @@ import time
 
 from benchmarks.common import (
     REPO,
-    SHARED_OVERRIDES,
     Context,
     Report,
     Row,
@@ -33,14 +32,16 @@ from benchmarks.common import (
     fmt_s,
     make_run,
 )
+from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, UPDATE
 
-STAGES = (("rollout", "rollout", "rollout/seconds"), ("score", "scores", "score/seconds"),
-          ("update", "update", "update/seconds"))  # fmt: skip
+# (command, stage, its seconds metric)
+STAGES = (("rollout", ROLLOUT, "rollout/seconds"), ("score", SCORE, "score/seconds"),
+          ("update", UPDATE, "update/seconds"))  # fmt: skip
 ITERATION_LINE = re.compile(r"iteration (\d+) \| ([\d.]+) s")
 
 
-def _overrides() -> list[str]:
-    out = [o for o in SHARED_OVERRIDES if not o.startswith("reward.weights")]
+def _overrides(ctx: Context) -> list[str]:
+    out = [o for o in ctx.shared_overrides if not o.startswith("reward.weights")]
     return [*out, "reward.weights={ocr = 1.0}", "reward.ocr_workers=1"]
 
 
@@ -63,16 +64,16 @@ def _command(args: list[str]) -> tuple[float, float, str]:
 
 def _stage_seconds(run_dir, iteration: int) -> dict[str, float]:
     out = {}
-    for command, folder, key in STAGES:
-        path = run_dir.stage_dir(iteration, folder) / "metrics.json"
+    for command, stage, key in STAGES:
+        path = run_dir.stage_dir(iteration, stage) / "metrics.json"
         out[command] = float(json.loads(path.read_text()).get(key, 0.0))
     return out
 
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
     iterations = ctx.loop_iterations
-    _, resident = make_run(ctx.workdir / "loop-resident", ctx.model(), *_overrides())
-    _, separate = make_run(ctx.workdir / "loop-commands", ctx.model(), *_overrides())
+    _, resident = make_run(ctx.workdir / "loop-resident", ctx.model(), *_overrides(ctx))
+    _, separate = make_run(ctx.workdir / "loop-commands", ctx.model(), *_overrides(ctx))
 
     loop_wall, loop_cpu, stdout = _command(
         ["loop", "--run", str(resident.root), "--iterations", str(iterations)]

@@ -18,7 +18,6 @@ import torch
 
 from benchmarks.common import (
     REPO,
-    SHARED_OVERRIDES,
     Context,
     Report,
     Row,
@@ -33,6 +32,7 @@ from flowgrpo_cli.store.rundir import ROLLOUT
 
 GOAL = 1.10
 GROUPS = {"1x": 2, "8x": 16}
+SMOKE_GROUPS = {"1x": 1, "8x": 2}  # --smoke
 
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
@@ -43,11 +43,11 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     runs, children = {}, {}
     policy = None
     try:
-        for name, groups in GROUPS.items():
+        for name, groups in (SMOKE_GROUPS if ctx.smoke else GROUPS).items():
             config, run_dir = make_run(
                 ctx.workdir / f"memory-{name}",
                 ctx.model(),
-                *SHARED_OVERRIDES,
+                *ctx.shared_overrides,
                 f"algorithm.prompts_per_iteration={groups}",
                 "sampler.train_fraction=0.2",  # one trained step: memory, not time, is measured
             )

@@ -13,16 +13,18 @@ import statistics
 from benchmarks.common import Context, Report, Row, fmt_ratio
 
 IMAGES = 12
+SMOKE_IMAGES = 2  # --smoke
 
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from benchmarks.ocr_images import ocr_throughput
 
     rounds = 1 if ctx.quick else 2
+    images = SMOKE_IMAGES if ctx.smoke else IMAGES
     speeds: dict[int, list[float]] = {1: [], 2: []}
     for rep in range(rounds):
         for workers in (1, 2) if rep % 2 == 0 else (2, 1):
-            speeds[workers].append(ocr_throughput(IMAGES, workers))
+            speeds[workers].append(ocr_throughput(images, workers))
     one, two = statistics.median(speeds[1]), statistics.median(speeds[2])
     speedup = statistics.median(b / a for a, b in zip(speeds[1], speeds[2], strict=True))
     report.rows.append(
@@ -33,7 +35,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
             f"{fmt_ratio(speedup)} (B/A)",
             "-",
             "-",
-            f"{IMAGES} images of two rendered words, engines built before timing; "
+            f"{images} images of two rendered words, engines built before timing; "
             f"{rounds} round(s). The speed-up is bounded by the free cores of a shared "
             "2-core machine",
         )

@@ -38,8 +38,13 @@ OVERRIDES = (
 )
 
 
-def build_model(folder):
-    """SD3.5-Medium's block widths, 4 blocks (2 dual-attention), tiny encoders and VAE."""
+# --smoke: 2 blocks (1 dual-attention) 4 heads wide, at 64 px: the same code in seconds.
+SMOKE_OVERRIDES = ("model.height=64", "model.width=64")
+
+
+def build_model(folder, smoke: bool = False):
+    """SD3.5-Medium's block widths, 4 blocks (2 dual-attention), tiny encoders and VAE (smoke:
+    2 blocks of 4 heads)."""
     import torch
     from diffusers import (
         FlowMatchEulerDiscreteScheduler,
@@ -57,14 +62,14 @@ def build_model(folder):
             patch_size=2,
             in_channels=16,
             out_channels=16,
-            num_layers=4,
+            num_layers=2 if smoke else 4,
             attention_head_dim=64,
-            num_attention_heads=24,
+            num_attention_heads=4 if smoke else 24,
             joint_attention_dim=64,
-            caption_projection_dim=1536,
+            caption_projection_dim=64 * (4 if smoke else 24),
             pooled_projection_dim=64,
             pos_embed_max_size=96,
-            dual_attention_layers=(0, 1),
+            dual_attention_layers=(0,) if smoke else (0, 1),
             qk_norm="rms_norm",
         )
         pipeline = StableDiffusion3Pipeline(
@@ -83,8 +88,9 @@ def build_model(folder):
 
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
-    model = build_model(ctx.workdir / "plan-sd35m-6-blocks")
-    _, run_dir = make_run(ctx.workdir / "plan-run", model, *OVERRIDES)
+    model = build_model(ctx.workdir / "plan-sd35m-4-blocks", smoke=ctx.smoke)
+    overrides = (*OVERRIDES, *SMOKE_OVERRIDES) if ctx.smoke else OVERRIDES
+    _, run_dir = make_run(ctx.workdir / "plan-run", model, *overrides)
     env = child_env()
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # freed tensors leave the resident set
     env["MALLOC_ARENA_MAX"] = "2"
@@ -112,8 +118,9 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
                 fmt_ratio(ratio),
                 f"{LOW:.2f}-{HIGH:.2f}x",
                 "yes" if LOW <= ratio <= HIGH else f"no ({ratio:.2f}x)",
-                "SD3.5-M-wide transformer, 4 blocks, 0.27B params, float32 CPU, 128 px, LoRA r 32, "
-                "CFG, micro-batch 2, no checkpointing: `flowgrpo plan` (A) vs the peak "
+                ("--smoke size: 2 blocks of 4 heads, 64 px; " if ctx.smoke else "")
+                + "SD3.5-M-wide transformer, 4 blocks, 0.27B params, float32 CPU, 128 px, LoRA "
+                "r 32, CFG, micro-batch 2, no checkpointing: `flowgrpo plan` (A) vs the peak "
                 "resident set above the baseline in a fresh process (B, benchmarks.plan_child)",
             )
         )

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from benchmarks.common import (
-    SHARED_OVERRIDES,
     Context,
     Report,
     Row,
@@ -71,7 +70,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     from diffusers import StableDiffusion3Pipeline
     from flowgrpo_cli.stages import rollout
 
-    config, run_dir = make_run(ctx.workdir / "shared", ctx.model(), *SHARED_OVERRIDES)
+    config, run_dir = make_run(ctx.workdir / "shared", ctx.model(), *ctx.shared_overrides)
     policy = ctx.policy(config)
     engine = engine_for(policy, config)
     plain = StableDiffusion3Pipeline.from_pretrained(str(ctx.model()), dtype=torch.float32)
@@ -111,7 +110,7 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
     # The same rollout with sampler.merge_lora: its own run folder (the option is part of the
     # rollout's config identity), the same policy object.
     merged_config, merged_run = make_run(
-        ctx.workdir / "merged", ctx.model(), *SHARED_OVERRIDES, "sampler.merge_lora=true"
+        ctx.workdir / "merged", ctx.model(), *ctx.shared_overrides, "sampler.merge_lora=true"
     )
     merged_engine = engine_for(policy, merged_config)
 

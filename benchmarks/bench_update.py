@@ -39,6 +39,7 @@ from flowgrpo_cli.store.rundir import ROLLOUT, UPDATE
 GOAL = 1.15
 
 ORDER = [
+    "verify rollout and score parts (sha256)",
     "load scores, advantages, locate rows",
     "read conditioning part",
     "read micro-batch rows (mmap, take, copy)",
@@ -55,6 +56,7 @@ ORDER = [
     "grad-norm clip + checks (Trainer.step)",
     "AdamW step",
     "checkpoint save (LoRA + optimizer state)",
+    "policy version (sha256 of the checkpoint)",
     "stage folder, advantages, metrics, manifests (sha256)",
     "training loop glue",
 ]
@@ -278,7 +280,8 @@ def _profiled() -> SectionTimers:
         (StageWriter, "finish", files),
         (update, "write_table", files),
         (stage_skeleton, "atomic_write_json", files),
-        (update, "sha256_file", files),
+        (update, "verify_inputs", "verify rollout and score parts (sha256)"),
+        (update, "checkpoint_version", "policy version (sha256 of the checkpoint)"),
         (update, "_train", "training loop glue"),
     ):
         timers.patch(owner, name, label)

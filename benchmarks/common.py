@@ -504,6 +504,18 @@ SHARED_OVERRIDES = (
     "reward.weights={jpeg_compressibility = 1.0}",
 )
 
+# `--smoke` (tests/test_benchmarks.py): the smallest run each benchmark's code allows, to check
+# that it runs at all; its numbers mean nothing. 2 prompts x 2 images, 3 steps, on top of the
+# shared overrides.
+SMOKE_OVERRIDES = (
+    "sampler.num_steps=3",
+    "sampler.batch_size=2",
+    "algorithm.group_size=2",
+    "algorithm.prompts_per_iteration=2",
+    "train.micro_batch_size=2",
+    "train.steps_per_epoch=1",
+)
+
 
 @dataclass
 class Context:
@@ -511,8 +523,18 @@ class Context:
     reps: int  # timed A/B rounds per comparison
     quick: bool  # fewer OCR rounds
     loop_iterations: int  # iterations of the loop benchmark
+    smoke: bool = False  # the smallest sizes: a check that every benchmark runs (--smoke)
     _model: Path | None = None
     _policy: Any = None
+
+    @property
+    def shared_overrides(self) -> tuple[str, ...]:
+        """The shared tiny run's overrides (SMOKE_OVERRIDES on top under --smoke)."""
+        return SHARED_OVERRIDES + SMOKE_OVERRIDES if self.smoke else SHARED_OVERRIDES
+
+    def rounds(self, minimum: int) -> int:
+        """Timed rounds of a comparison that needs at least `minimum` (but 1 under --smoke)."""
+        return self.reps if self.smoke else max(self.reps, minimum)
 
     def model(self) -> Path:
         """The tiny SD3 pipeline folder, built on first use."""

@@ -63,6 +63,7 @@ def _config_text(root: Path, model: Path) -> str:
 [run]
 dir = "{root / "run"}"
 seed = 0
+checkpoint_every = 1   # the tests load iteration 0's checkpoint: keep its weights
 
 [data]
 train = "{root / "train.txt"}"
@@ -290,10 +291,21 @@ def test_peft_export_uses_vllm_omni_module_names(tmp_path):
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     keys = load_file(str(tmp_path / "lora" / "adapter_model.safetensors"))
     assert (config["r"], config["lora_alpha"]) == (4, 8)
-    assert "to_out" in config["target_modules"] and "to_out.0" not in config["target_modules"]
+    # vllm-omni's Qwen-Image block names its image output projection `attn.to_out` (one
+    # RowParallelLinear, where diffusers has `attn.to_out.0`); the fused `attn.to_qkv` and
+    # `attn.add_kv_proj` are matched through their sub-projections (to_q ..., add_q_proj ...),
+    # and `attn.to_add_out`, `img_mlp.net.0.proj`, `img_mlp.net.2` (and txt_mlp's) keep
+    # diffusers' names. The targets are named from the block (attn.to_q, ..., img_mlp.net.2).
+    targets = config["target_modules"]
+    assert "attn.to_out" in targets
+    assert not any(target.endswith("to_out.0") for target in targets)
+    assert {"img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj"} <= set(targets)
+    assert len(targets) == len(adapter.default_lora_targets)
     assert "base_model.model.transformer_blocks.0.attn.to_out.lora_A.weight" in keys
+    assert "base_model.model.transformer_blocks.0.img_mlp.net.0.proj.lora_A.weight" in keys
     assert not any(".to_out.0." in key for key in keys)
-    assert len(keys) == 2 * 8 * 2  # 2 blocks, 8 projections, A and B
+    # 2 blocks, every target (8 attention projections, 4 MLP layers), A and B
+    assert len(keys) == 2 * len(adapter.default_lora_targets) * 2
 
 
 def test_engine_says_how_to_install_vllm_omni(monkeypatch):
