@@ -236,28 +236,17 @@ def vae_constant(family: str, dtype) -> float:
     import torch
     from diffusers import AutoencoderKL, AutoencoderKLQwenImage
 
+    from flowgrpo_cli.planning.architectures import known_architectures
+
     torch.manual_seed(0)
-    if family == "qwen":
-        vae = AutoencoderKLQwenImage(
-            base_dim=96,
-            z_dim=16,
-            dim_mult=[1, 2, 4, 4],
-            num_res_blocks=2,
-            temperal_downsample=[False, True, True],
+    if family == "qwen":  # the published VAEs: the same configs `flowgrpo plan` counts
+        vae = AutoencoderKLQwenImage.from_config(
+            known_architectures()["qwen-image"]["configs"]["vae"]
         )
         z = torch.randn(1, 16, 1, 16, 16)
     else:
-        vae = AutoencoderKL(
-            block_out_channels=[128, 256, 512, 512],
-            latent_channels=16,
-            down_block_types=["DownEncoderBlock2D"] * 4,
-            up_block_types=["UpDecoderBlock2D"] * 4,
-            layers_per_block=2,
-            norm_num_groups=32,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-        )
-        z = torch.randn(1, 16, 16, 16)  # fmt: skip
+        vae = AutoencoderKL.from_config(known_architectures()["sd3.5-medium"]["configs"]["vae"])
+        z = torch.randn(1, 16, 16, 16)
     vae = vae.to(dtype).eval()
     z = z.to(dtype)
     with torch.no_grad(), live_bytes_mode([*vae.parameters(), *vae.buffers(), z]) as mode:

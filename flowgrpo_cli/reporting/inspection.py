@@ -20,7 +20,7 @@ from flowgrpo_cli.store.rundir import (
     MANIFEST,
     RunDir,
     read_manifest,
-    sha256_file,
+    verify_part,
     verify_stage,
 )
 from flowgrpo_cli.store.trajectory import iter_batches, open_part
@@ -139,14 +139,7 @@ def _verify_part(console: Console, path: Path) -> None:
         console.print(f"[yellow]not verified:[/] {stage_dir} {why}", highlight=False)
         return
     redo = f"delete {stage_dir} and run the stage that wrote it again"
-    size = path.stat().st_size
-    if size != entry["bytes"]:
-        raise FlowGrpoError(
-            f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
-            f"replaced); {redo}"
-        )
-    if sha256_file(path) != entry["sha256"]:
-        raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered); {redo}")
+    verify_part(path, entry, redo)
     console.print("[green]matches its recorded size and sha256[/]", highlight=False)
 
 

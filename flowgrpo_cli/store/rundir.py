@@ -356,15 +356,20 @@ def verify_stage(stage_dir: Path) -> dict[str, Any]:
         path = inside(stage_dir, part["name"], where=str(stage_dir / MANIFEST))
         if not path.is_file():
             raise FlowGrpoError(f"{path}: listed in the manifest but missing; {redo}")
-        size = path.stat().st_size
-        if size != part["bytes"]:
-            raise FlowGrpoError(
-                f"{path}: {size} bytes, the manifest says {part['bytes']} (truncated or "
-                f"replaced); {redo}"
-            )
-        if sha256_file(path) != part["sha256"]:
-            raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered); {redo}")
+        verify_part(path, part, redo)
     return manifest
+
+
+def verify_part(path: Path, entry: dict[str, Any], redo: str) -> None:
+    """`path` against its manifest entry (`bytes`, `sha256`); `redo` says what to do if not."""
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise FlowGrpoError(
+            f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or "
+            f"replaced); {redo}"
+        )
+    if sha256_file(path) != entry["sha256"]:
+        raise FlowGrpoError(f"{path}: checksum differs from the manifest (altered); {redo}")
 
 
 #: Identity keys that say only how a stage's output is split into parts (one per rank), not
