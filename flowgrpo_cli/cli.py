@@ -20,6 +20,7 @@ from rich.markup import escape
 from flowgrpo_cli.errors import FlowGrpoError, storage_error
 from flowgrpo_cli.reporting.render import (
     render_iteration,
+    render_loop_progress,
     render_metrics,
     render_prepare_summary,
     render_reward_table,
@@ -76,10 +77,22 @@ RunOpt = Annotated[
         "torchrun's own parser reads --run as its --run-path.",
     ),
 ]
+
+
+def _complete_set_key(incomplete: str) -> list[str]:
+    """Shell completion of --set: every config key, as `KEY=`."""
+    from flowgrpo_cli.store.config import iter_reference
+
+    return [f"{key}=" for key, _, _ in iter_reference() if key.startswith(incomplete)]
+
+
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
-        "--set", "-s", help="Override a config key: --set sampler.noise_level=0.8 (repeatable)."
+        "--set",
+        "-s",
+        help="Override a config key: --set sampler.noise_level=0.8 (repeatable).",
+        autocompletion=_complete_set_key,
     ),
 ]
 AllowChangeOpt = Annotated[
@@ -470,7 +483,10 @@ def _update(resolved: Any, number: int) -> None:
         from flowgrpo_cli.store.retention import apply_retention
 
         section = resolved.config.run
-        apply_retention(resolved.run, section.keep_trajectories, section.keep_checkpoints)
+        apply_retention(
+            resolved.run, section.keep_trajectories, section.keep_checkpoints,
+            section.checkpoint_every,
+        )  # fmt: skip
         render_metrics(console, f"update iteration {number}", result.metrics)
 
 
@@ -525,6 +541,13 @@ def loop(
 
         main = _is_main()
         done = resolved.run.current_iteration()
+        seconds: list[float] = []  # this process's iterations: the ETA's mean
+
+        def on_iteration(summary: Any) -> None:
+            render_iteration(console, summary)
+            seconds.append(summary.seconds)
+            render_loop_progress(console, summary.iteration + 1, iterations, seconds)
+
         if main and done >= iterations > 0:
             console.print(f"{resolved.run.root}: {done} iteration(s) already done")
         run_loop(
@@ -532,7 +555,7 @@ def loop(
             resolved.run,
             iterations,
             progress=RichProgress() if main else NullProgress(),
-            on_iteration=(lambda s: render_iteration(console, s)) if main else None,
+            on_iteration=on_iteration if main else None,
             on_note=lambda text: console.print(text, highlight=False),
         )
 
@@ -550,7 +573,7 @@ RewardOpt = Annotated[
     typer.Option(
         "--reward",
         help="Reward (repeatable; NAME or NAME=WEIGHT, a built-in or module:function); "
-        "default: the config's [reward] weights (ocr without a config).",
+        "default: the config's \\[reward] weights (ocr without a config).",
     ),
 ]
 RewardConfigOpt = Annotated[
@@ -558,7 +581,7 @@ RewardConfigOpt = Annotated[
     typer.Option(
         "--config",
         "-c",
-        help="Run config (TOML) whose [reward] tables set the rewards: models, device, "
+        help="Run config (TOML) whose \\[reward] tables set the rewards: models, device, "
         "dtype, OCR workers, remote URL, plugin folders, and weights without --reward.",
     ),
 ]
@@ -777,9 +800,12 @@ def export(
         resolved.config, resolved.run, out, iteration=iteration, ema=ema, merged=merged,
         dtype=dtype, command=shlex.join(command),
     )  # fmt: skip
+    from flowgrpo_cli.reporting.render import checkpoint_name, updates
+
     kind = "pipeline" if done.merged else "LoRA"
     console.print(
-        f"{kind} of iteration {done.iteration} ({done.weights} weights) -> {done.folder}",
+        f"{kind} of {checkpoint_name(done.iteration)} (the policy after "
+        f"{updates(done.iteration + 1)}), {done.weights} weights -> {done.folder}",
         highlight=False,
     )
     if push_to_hub:

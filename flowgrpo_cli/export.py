@@ -206,18 +206,21 @@ def model_card(
         front.append(f"base_model: {base}")
     front += ["tags:", *(f"- {tag}" for tag in tags), "---"]
     rewards = ", ".join(f"`{name}` x {weight:g}" for name, weight in config.reward.weights.items())
+    from flowgrpo_cli.reporting.render import checkpoint_name, updates
+
     weights = "the EMA of the trained weights" if ema else "the trained weights"
     what = "A full pipeline with" if merged else "A LoRA adapter holding"
     lines = [
         *front,
         "",
-        f"# {run.root.name}, iteration {iteration}",
+        f"# {run.root.name}, {checkpoint_name(iteration)}",
         "",
-        f"{what} {weights} after iteration {iteration} ({iteration + 1} updates) of a "
+        f"{what} {weights} of {checkpoint_name(iteration)}: the policy after "
+        f"{updates(iteration + 1)} (iterations 0 to {iteration}) of a "
         f"flowgrpo {__version__} run: algorithm `{config.algorithm.name}`, reward {rewards}, "
         f"train.mode `{config.train.mode}`, base model `{base}`.",
         "",
-        *_eval_lines(run, iteration + 1),
+        *_eval_lines(run, iteration + 1, ema=ema),
         "## Use",
         "",
         "```python",
@@ -244,20 +247,41 @@ def model_card(
     return "\n".join(lines)
 
 
-def _eval_lines(run: RunDir, evaluated: int) -> list[str]:
+def _eval_lines(run: RunDir, evaluated: int, *, ema: bool) -> list[str]:
     """The held-out evaluation of these weights beside the base's, when the run made them.
-    Evaluation uses the EMA weights when the run keeps an EMA."""
+
+    The loop evaluates the EMA weights when the run keeps an EMA: that number is the EMA
+    export's, never the plain weights' (eval/iter-M's manifest records which were evaluated)."""
+    from flowgrpo_cli.reporting.render import checkpoint_name, updates
+
     found = {n: _eval_reward(run, n) for n in (0, evaluated)}
+    after = f"after {updates(evaluated)} ({checkpoint_name(evaluated - 1)})"
     if found[evaluated] is None:
-        return [f"No held-out evaluation was run after iteration {evaluated - 1}.", ""]
+        return [f"No held-out evaluation was run of the policy {after}.", ""]
+    evaluated_ema = _evaluated_ema(run, evaluated)
+    if evaluated_ema != ema:
+        other = "the EMA of the weights" if evaluated_ema else "the plain weights"
+        export = "`flowgrpo export --ema`" if evaluated_ema else "`flowgrpo export` without --ema"
+        return [
+            f"Held-out evaluation: these weights were not evaluated. The run evaluated {other} "
+            f"{after}: eval/reward_mean {found[evaluated]:.4f} (exported by {export}).",
+            "",
+        ]
     base = "not evaluated" if found[0] is None else f"{found[0]:.4f}"
     return [
         "| held-out reward (eval/reward_mean) | value |",
         "|---|---|",
         f"| base model | {base} |",
-        f"| after iteration {evaluated - 1} | {found[evaluated]:.4f} |",
+        f"| {after} | {found[evaluated]:.4f} |",
         "",
     ]
+
+
+def _evaluated_ema(run: RunDir, iteration: int) -> bool:
+    """Whether eval/iter-N evaluated EMA weights: its policy version ends in `+ema`."""
+    identity = (read_manifest(run.eval_dir(iteration)) or {}).get("identity")
+    policy = identity.get("policy") if isinstance(identity, dict) else None
+    return isinstance(policy, str) and policy.endswith("+ema")
 
 
 def _eval_reward(run: RunDir, iteration: int) -> float | None:

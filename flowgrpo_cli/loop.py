@@ -44,6 +44,7 @@ class IterationSummary:
     iteration: int
     metrics: dict[str, float]
     seconds: float
+    score_failures: str = ""  # "4 of 32 images failed scoring (...)": empty when none did
 
 
 def run_loop(
@@ -91,7 +92,7 @@ def run_loop(
                 evaluate(config, run, start, engine, rewards)
         if info.is_main:  # what a kill after the last checkpoint left unwritten
             write_logs(run, start)
-            apply_retention(run, config.run.keep_trajectories, config.run.keep_checkpoints)
+            apply_retention(run, *_retention(config))
         for iteration in range(start, iterations):
             started = time.perf_counter()
             with trainer.sampling_weights():  # nft samples with its anchor
@@ -104,11 +105,15 @@ def run_loop(
                     evaluate(config, run, iteration + 1, engine, rewards)
             barrier()
             if info.is_main:
-                apply_retention(run, config.run.keep_trajectories, config.run.keep_checkpoints)
+                apply_retention(run, *_retention(config))
                 lines = write_logs(run, iteration + 1)
                 latest = next(line for line in lines if line["iteration"] == iteration)
                 track(trackers, run, latest)
-                summary = IterationSummary(iteration, latest, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                failures = (
+                    score_failures(run, iteration) if latest.get("score/failed_images") else ""
+                )
+                summary = IterationSummary(iteration, latest, seconds, failures)
                 summaries.append(summary)
                 if on_iteration is not None:
                     on_iteration(summary)
@@ -116,6 +121,18 @@ def run_loop(
             fresh = start < iterations or iterations == 0  # else the trackers have it already
             _report_final_evaluation(run, iterations, trackers if fresh else [], on_note)
     return summaries
+
+
+def score_failures(run: RunDir, iteration: int) -> str:
+    """What the iteration's score manifest says about images a reward failed on: how many,
+    what reward.on_error did with them, and the first error."""
+    manifest = read_manifest(run.stage_dir(iteration, SCORE)) or {}
+    counts = manifest.get("counts", {})
+    errors = manifest.get("first_errors") or ["(not recorded)"]
+    return (
+        f"{counts.get('failed', '?')} of {counts.get('images', '?')} images failed scoring "
+        f"(reward.on_error = {manifest.get('on_error', '?')}): first error: {errors[0]}"
+    )
 
 
 def _report_final_evaluation(run: RunDir, iterations: int, trackers, on_note) -> None:
@@ -127,7 +144,15 @@ def _report_final_evaluation(run: RunDir, iterations: int, trackers, on_note) ->
         return
     track(trackers, run, {"iteration": iterations, **evals})
     if on_note is not None:
-        what = "the base model" if iterations == 0 else f"the policy after {iterations} iterations"
+        from flowgrpo_cli.reporting.render import checkpoint_name, updates
+
+        where = f"eval/iter-{iterations:06d}"
+        what = (
+            "the base model"
+            if iterations == 0
+            else f"the policy after {updates(iterations)} "
+            f"({checkpoint_name(iterations - 1)}, {where})"
+        )
         shown = sorted((k for k in evals if k.endswith(("_mean", "_exact"))),
                        key=lambda k: (k != "eval/reward_mean", k))  # fmt: skip
         on_note(f"held-out evaluation of {what}: "
@@ -143,6 +168,11 @@ def plan_note(config: Config, iterations: int) -> list[str]:
         return plan_run(config, iterations=max(iterations, 1)).summary_lines()
     except Exception as err:  # a plan is advice: the run goes on without it
         return [f"plan: not available ({type(err).__name__}: {err})"]
+
+
+def _retention(config: Config) -> tuple[int, int, int]:
+    section = config.run
+    return section.keep_trajectories, section.keep_checkpoints, section.checkpoint_every
 
 
 def _eval_due(config: Config, iteration: int, iterations: int) -> bool:

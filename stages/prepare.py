@@ -17,7 +17,12 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.imports import add_plugin_dirs
 from flowgrpo_cli.rewards.registry import reward_needing_targets
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
-from flowgrpo_cli.store.prompts import PromptRow, format_problems, read_prompt_file
+from flowgrpo_cli.store.prompts import (
+    PromptRow,
+    format_problems,
+    other_reward_hint,
+    read_prompt_file,
+)
 from flowgrpo_cli.store.rundir import (
     PREPARE,
     RunDir,
@@ -37,7 +42,7 @@ def _load(path: Path, skip_invalid: bool, needs_target: str | None) -> tuple[lis
         raise FlowGrpoError(
             f"{len(parsed.problems)} invalid prompt row(s) in {path} "
             f"(pass --skip-invalid to skip them):\n  "
-            f"{format_problems(parsed.problems)}"
+            f"{format_problems(parsed.problems)}{other_reward_hint(parsed.problems)}"
         )
     if not parsed.rows:
         raise FlowGrpoError(f"{path}: no valid prompts")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,14 @@ def _score_table(scored, sample_ids: list[str], reward_info: dict) -> pa.Table:
     return pa.table(columns).replace_schema_metadata({REWARD_INFO: json.dumps(reward_info)})
 
 
+def _label(iteration: int, name: str) -> str:
+    """`score iter 3`, and which part when the rollout has several: `score iter 3 part 2/4`."""
+    found = re.fullmatch(r"part-(\d+)-of-(\d+)\.arrow", name)
+    if found is None or int(found[2]) == 1:
+        return f"score iter {iteration}"
+    return f"score iter {iteration} part {int(found[1]) + 1}/{int(found[2])}"
+
+
 def score_part(
     config: Config, run: RunDir, iteration: int, name: str, rewards, progress=None
 ) -> int:
@@ -73,7 +82,7 @@ def score_part(
     progress = progress or NullProgress()
     rollout_dir, stage_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
     sample_ids = read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
-    progress.start(f"score {name}", total=len(sample_ids))
+    progress.start(_label(iteration, name), total=len(sample_ids))
     scored = score_batches(
         rewards, _reward_batches(rollout_dir / name, progress), config.reward.on_error
     )

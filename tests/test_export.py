@@ -166,11 +166,14 @@ def test_export_picks_the_iteration_and_writes_a_model_card(make_run, tmp_path):
     with RunLock(run.root):  # a loop training this run: exporting needs no lock
         latest = export(run, tmp_path / "latest")
     assert latest.exit_code == 0, latest.output
-    assert "iteration 1" in (tmp_path / "latest" / "README.md").read_text()
+    assert "checkpoint iter-000001" in (tmp_path / "latest" / "README.md").read_text()
     first = export(run, tmp_path / "first", "--iteration", "0")
     assert first.exit_code == 0, first.output
     card = (tmp_path / "first" / "README.md").read_text()
-    assert "| base model | 0.2500 |" in card and "| after iteration 0 | 0.5000 |" in card
+    assert (
+        "| base model | 0.2500 |" in card
+        and "| after 1 update (checkpoint iter-000000) | 0.5000 |" in card
+    )
     assert "algorithm `flow_grpo`" in card and "`jpeg_compressibility` x 1" in card
     assert "load_lora_weights" in card and f"flowgrpo export {run.root}" in card
     weights = "pytorch_lora_weights.safetensors"

@@ -29,7 +29,7 @@ def folder_bytes(folder):
 
 
 def test_finished_iterations_keep_images_and_lose_latents(make_run):
-    _, run = make_run("run.keep_trajectories=1")
+    _, run = make_run("run.keep_trajectories=1", "run.checkpoint_every=1")
     result = loop(run, "-n", "3")
     assert result.exit_code == 0, result.output
     # The plan's summary opens the run (its numbers: tests/test_plan.py).
@@ -122,7 +122,7 @@ def test_keep_trajectories_is_checked():
 
 
 def test_kept_checkpoints_and_a_restart_that_redoes_iterations(make_run, tmp_path):
-    _, run = make_run("run.keep_checkpoints=2")
+    _, run = make_run("run.keep_checkpoints=2", "run.checkpoint_every=1")
     assert loop(run, "-n", "3").exit_code == 0
     for iteration, pruned in [(0, True), (1, False), (2, False)]:
         folder = run.checkpoint_dir(iteration)

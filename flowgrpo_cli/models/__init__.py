@@ -95,8 +95,9 @@ def load_adapter(
 
 
 def _quiet_loading() -> None:
-    """Loading prints per-component progress bars and warnings (a torchvision fallback, CLIP
-    prompts cut at 77 tokens, as the pipelines do) that drown our own progress: errors only."""
+    """Loading (and saving) prints per-component progress bars and warnings (a torchvision
+    fallback, CLIP prompts cut at 77 tokens, as the pipelines do) that drown our own progress:
+    errors only."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 

@@ -334,6 +334,9 @@ def build_tiny_pipeline(family: str, out_dir: Path, *, seed: int = 0) -> Path:
         raise FlowGrpoError(
             f"Unknown tiny model family {family!r}; choose one of: {', '.join(TINY_FAMILIES)}."
         )
+    from flowgrpo_cli.models import _quiet_loading
+
+    _quiet_loading()  # no torchvision fallback warnings, no "Writing model shards" bars
     # Random init draws from the global generator: seed it, and restore the caller's state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -349,6 +352,9 @@ def build_tiny_clip(out_dir: Path, *, seed: int = 0, projection_dim: int = 16) -
     (config, safetensors, processor and tokenizer files): what the CLIP rewards load."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
+    from flowgrpo_cli.models import _quiet_loading
+
+    _quiet_loading()
     tokenizer = char_clip_tokenizer()
     text = _clip_config(projection_dim=projection_dim).to_dict()
     text["vocab_size"] = len(tokenizer)

@@ -67,7 +67,8 @@ def disk_items(
     config: Config, arch: Architecture, s: Shapes, iterations: int
 ) -> tuple[list[DiskItem], list[str]]:
     """Every kind of file a run writes: bytes per iteration and for `iterations` under
-    run.keep_trajectories / run.keep_checkpoints; plus notes on what is assumed."""
+    run.keep_trajectories / run.keep_checkpoints / run.checkpoint_every; plus notes on what
+    is assumed."""
     from flowgrpo_cli.stages.rollout import iteration_schedule, latent_bytes_per_iteration
 
     algorithm = config.algorithm
@@ -99,8 +100,11 @@ def disk_items(
         1 + (config.train.ema_decay > 0) + (spec(algorithm.name).default_anchor_decay is not None)
     )
     checkpoint = copies * weights + optimizer + 2_000
-    keep_checkpoints = config.run.keep_checkpoints
-    checkpoints = n if keep_checkpoints == 0 else min(n, keep_checkpoints + 1)
+    from flowgrpo_cli.store.retention import kept_checkpoints
+
+    keep_checkpoints, every = config.run.keep_checkpoints, config.run.checkpoint_every
+    # what stays at the end, plus the previous latest, kept until the next update finishes
+    checkpoints = min(n, len(kept_checkpoints(n, keep_checkpoints, every)) + 1)
 
     cells = min(GRID_GROUPS, algorithm.prompts_per_iteration) * min(
         GRID_PER_GROUP, algorithm.group_size
@@ -135,7 +139,8 @@ def disk_items(
         DiskItem(
             f"checkpoint: {what}{copies_note} ({s.trained / 1e6:,.1f}M x "
             f"{'float32' if s.trained_bytes == 4 else config.model.dtype}), AdamW state "
-            f"(kept: {'all' if keep_checkpoints == 0 else keep_checkpoints})",
+            f"(kept: {'all' if every == 1 else f'every {every}-th and the latest'}"
+            f"{'' if keep_checkpoints == 0 else f', at most {keep_checkpoints}'})",
             checkpoint,
             checkpoint * checkpoints,
         ),

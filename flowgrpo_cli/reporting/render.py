@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flowgrpo_cli.store.rundir import RunDir
@@ -90,6 +91,18 @@ def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
+def updates(count: int) -> str:
+    """`1 update`, `30 updates`: how every output names a policy. Iteration N (0-based) samples
+    with the policy after N updates and makes the (N+1)-th, saved as checkpoint iter-N;
+    eval/iter-M evaluates the policy after M updates (checkpoint iter-(M-1); M = 0: the base)."""
+    return f"{count} update{'' if count == 1 else 's'}"
+
+
+def checkpoint_name(iteration: int) -> str:
+    """`checkpoint iter-000029`: the folder name under checkpoints/."""
+    return f"checkpoint iter-{iteration:06d}"
+
+
 def render_iteration(console: Console, summary: Any) -> None:
     """One line per finished loop iteration: the numbers people watch."""
     m = summary.metrics
@@ -106,6 +119,29 @@ def render_iteration(console: Console, summary: Any) -> None:
     evals = {k: v for k, v in m.items() if k.startswith("eval/") and k.endswith("_mean")}
     parts += [f"{k} {v:.4g}" for k, v in sorted(evals.items())]
     console.print(" | ".join(parts), highlight=False)
+    failures = getattr(summary, "score_failures", "")
+    if failures:  # score/failed_images > 0: say it, as `flowgrpo score` does
+        console.print(f"[yellow]  {escape(failures)}[/]", highlight=False)
+
+
+def render_loop_progress(console: Console, done: int, total: int, seconds: list[float]) -> None:
+    """The loop's overall line after each iteration: N/M done and an ETA from the mean
+    iteration time of this process (`seconds`, one per iteration it ran)."""
+    mean = sum(seconds) / len(seconds) if seconds else 0.0
+    line = f"{done}/{total} iterations done"
+    if done < total:
+        line += f", ETA {format_duration(mean * (total - done))}"
+    console.print(f"{line} (mean {mean:.1f} s per iteration)", highlight=False)
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as people read it: 42 s, 3m 20s, 2h 05m."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    return f"{minutes // 60}h {minutes % 60:02d}m"
 
 
 def format_bytes(count: float) -> str:

@@ -128,6 +128,8 @@ def _summary_table(log: list[dict[str, Any]]) -> str:
             value = line.get(column)
             text = "" if value is None else (str(value) if column == "iteration"
                                             else f"{value:.4g}")  # fmt: skip
+            if column == "iteration" and "reward/mean" not in line:
+                text += " (final evaluation)"  # no iteration ran: the evaluation after the last
             cells.append(f"<td>{text}</td>")
         rows.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
@@ -168,7 +170,13 @@ def write_report(run: RunDir) -> Path:
 Train reward: mean over each iteration's rollout images. Eval: ODE sampling of fixed held-out
 prompts with fixed seeds.</p>
 <h2>Curves</h2><div class="plots">{"".join(plots)}</div>
-<h2>Iterations</h2>{_summary_table(log)}
+<h2>Iterations</h2>
+<p>Row N is iteration N: its rollout, sampled by the policy after N updates, its scores, and
+its update, the (N+1)-th, whose weights are checkpoint iter-N. Its <code>eval/*</code> columns
+evaluate the policy after N updates (<code>eval/iter-N</code>, the weights of checkpoint
+iter-(N-1); N = 0: the base model). The row marked final evaluation has no iteration: it is
+the evaluation of the policy after N updates, the last checkpoint's.</p>
+{_summary_table(log)}
 <h2>Sample grids</h2><div class="grids">{grids}</div>
 </body></html>
 """

@@ -173,6 +173,13 @@ class _HostedRun:
         self._run.finish()
 
 
+class _TrackioRun(_HostedRun):
+    def close(self) -> None:
+        # trackio.finish(), not Run.finish(): it also forgets the current run, which trackio's
+        # exit hook would otherwise finish again (printing "Uploading logs" a second time).
+        self._module.finish()
+
+
 def _wandb(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Tracker:
     import wandb
 
@@ -181,7 +188,7 @@ def _wandb(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Trac
     try:
         return _HostedRun(
             wandb, project=project, name=name, id=run_id, resume="allow", config=params,
-            dir=str(run.root),
+            dir=str(run.root), settings=wandb.Settings(quiet=True),  # no 40-line run summary
         )  # fmt: skip
     except wandb.errors.UsageError as err:  # credentials _check_wandb_login could not see
         raise FlowGrpoError(_WANDB_LOGIN.format(why=f" ({err})")) from None
@@ -190,7 +197,7 @@ def _wandb(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Trac
 def _trackio(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Tracker:
     import trackio
 
-    return _HostedRun(
+    return _TrackioRun(
         trackio, project=project, name=name, config=params, resume="allow", embed=False,
         auto_log_cpu=False, auto_log_gpu=False,
     )  # fmt: skip

@@ -120,6 +120,9 @@ def _normalized(embeddings: torch.Tensor) -> torch.Tensor:
 
 
 def _from_pretrained(cls: Any, source: ResolvedSource, **kwargs: Any) -> Any:
+    from flowgrpo_cli.models import _quiet_loading
+
+    _quiet_loading()  # transformers' torchvision fallback warning, its progress bars
     try:
         return cls.from_pretrained(source.location, revision=source.commit or "main", **kwargs)
     except OSError as err:  # a folder or repository without the files this class reads

@@ -105,9 +105,18 @@ class RunSection:
     )
     keep_checkpoints: int = _option(
         0,
-        "Keep the weights and optimizer state of the last K checkpoints; older ones keep "
-        "only their manifest. 0 = keep all.",
+        "Keep the weights and optimizer state of the last K checkpoints that "
+        "run.checkpoint_every keeps (the latest always stays); older ones keep only their "
+        "manifest. 0 = keep all of those.",
         check=_at_least(0),
+        affects_results=False,
+    )
+    checkpoint_every: int = _option(
+        10,
+        "Keep the weights and optimizer state of every k-th checkpoint (iter-N with N + 1 a "
+        "multiple of k: the policy after k, 2k, ... updates) and of the latest one, which "
+        "resume needs; the others keep only their manifest. 1 = keep every checkpoint.",
+        check=_at_least(1),
         affects_results=False,
     )
 
@@ -725,6 +734,60 @@ def _expand_paths(value: Any, kind: str, base: Path | None = None) -> Any:
     return _expand_path(value, kind, base)
 
 
+# Names users bring from other trainers (diffusers, TRL, the paper's code) -> our key. A key
+# whose last part the section has (`eval.cfg` -> `eval.guidance_scale`) stays in its section.
+KEY_ALIASES = {
+    "learning_rate": "train.lr",
+    "learningrate": "train.lr",
+    "num_inference_steps": "sampler.num_steps",
+    "inference_steps": "sampler.num_steps",
+    "sample_steps": "sampler.num_steps",
+    "cfg": "sampler.guidance_scale",
+    "cfg_scale": "sampler.guidance_scale",
+    "guidance": "sampler.guidance_scale",
+    "batch_size": "train.micro_batch_size",
+    "train_batch_size": "train.micro_batch_size",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "sample_batch_size": "sampler.batch_size",
+    "num_generations": "algorithm.group_size",
+    "num_images_per_prompt": "algorithm.group_size",
+    "kl_coef": "algorithm.beta",
+    "kl_beta": "algorithm.beta",
+    "clip_epsilon": "algorithm.clip_range",
+    "eta": "sampler.noise_level",
+    "lora_r": "train.lora_rank",
+    "rank": "train.lora_rank",
+    "pretrained_model_name_or_path": "model.path",
+    "model_name_or_path": "model.path",
+}
+
+
+def _suggest_key(prefix: str, key: str) -> str | None:
+    """The key a user meant by the unknown `prefix.key`: an alias, a close name in the same
+    section, or the same name in another section (`train.group_size`)."""
+    section = _section_class(prefix)
+    fields = [f.name for f in dataclasses.fields(section)] if section else []
+    alias = KEY_ALIASES.get(key.lower())
+    if alias is not None:
+        last = alias.rsplit(".", 1)[1]
+        return f"{prefix}.{last}" if last in fields else alias
+    close = difflib.get_close_matches(key, fields, n=1)
+    if close:
+        return f"{prefix}.{close[0]}"
+    elsewhere = [dotted for dotted, _, _ in iter_reference() if dotted.endswith(f".{key}")]
+    return elsewhere[0] if elsewhere else None
+
+
+def _section_class(prefix: str) -> type | None:
+    cls: Any = Config
+    for part in prefix.split("."):
+        hints = typing.get_type_hints(cls)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return None
+        cls = hints[part]
+    return cls
+
+
 def _build_section(
     cls: type, raw: dict[str, Any], prefix: str, source: _Source, errors: list[str]
 ) -> Any:
@@ -734,8 +797,8 @@ def _build_section(
     for key, value in raw.items():
         dotted = f"{prefix}.{key}"
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            hint = f"; did you mean `{prefix}.{close[0]}`?" if close else ""
+            close = _suggest_key(prefix, key)
+            hint = f"; did you mean `{close}`?" if close else ""
             valid = ", ".join(fields)
             errors.append(
                 f"{source.where(dotted)}: unknown key `{dotted}`{hint} "

@@ -232,8 +232,22 @@ def _require_target(item: PromptRow | PromptProblem, reward: str) -> PromptRow |
         return item
     return PromptProblem(
         item.source,
-        f"no quoted target text in {_clip(item.prompt)!r}; the `{reward}` reward needs one "
+        f"{NO_TARGET} in {_clip(item.prompt)!r}; the `{reward}` reward needs one "
         '(quote it in the prompt, "like this", or give a ground_truth column)',
+    )
+
+
+NO_TARGET = "no quoted target text"
+
+
+def other_reward_hint(problems: list[PromptProblem]) -> str:
+    """For rows refused for want of a target: how to train on prompts without text."""
+    if not any(p.message.startswith(NO_TARGET) for p in problems):
+        return ""
+    return (
+        "\n  prompts without text to render need a reward that reads no target: "
+        "--set 'reward.weights={jpeg_compressibility = 1.0}', `remote`, or a plugin "
+        "(module:function; see `flowgrpo reward --help`)"
     )
 
 

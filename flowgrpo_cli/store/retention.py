@@ -42,9 +42,11 @@ _STAGING = ".pruning"
 _REPLACED = ".replaced"
 
 
-def apply_retention(run: RunDir, keep_trajectories: int, keep_checkpoints: int) -> Pruned:
-    """Both limits, after an update finished: the caller holds the run's lock."""
-    prune_checkpoints(run, keep_checkpoints)
+def apply_retention(
+    run: RunDir, keep_trajectories: int, keep_checkpoints: int, checkpoint_every: int = 1
+) -> Pruned:
+    """The limits, after an update finished: the caller holds the run's lock."""
+    prune_checkpoints(run, keep_checkpoints, checkpoint_every)
     return prune_finished(run, keep_trajectories)
 
 
@@ -72,14 +74,27 @@ def prune_finished(run: RunDir, keep: int) -> Pruned:
     return Pruned(pruned, freed)
 
 
-def prune_checkpoints(run: RunDir, keep: int) -> list[int]:
-    """Delete the files of finished checkpoints older than the last `keep` (0: none), leaving
-    their manifest, marked pruned, so the iteration still counts as finished. The manifest is
-    rewritten first: a kill after it leaves files the next pass deletes."""
-    if keep <= 0:
+def kept_checkpoints(finished: int, keep: int, every: int = 1) -> list[int]:
+    """The checkpoints (of iterations 0 .. finished - 1) whose weights stay: every `every`-th
+    (iter-N with N + 1 a multiple of it) and the latest, which resume needs; of those the
+    last `keep` (0: all)."""
+    candidates = [n for n in range(finished) if (n + 1) % every == 0 or n == finished - 1]
+    return candidates[-keep:] if keep > 0 else candidates
+
+
+def prune_checkpoints(run: RunDir, keep: int, every: int = 1) -> list[int]:
+    """Delete the files of finished checkpoints that `kept_checkpoints` does not keep (the
+    latest always stays), leaving their manifest, marked pruned, so the iteration still counts
+    as finished. The manifest is rewritten first: a kill after it leaves files the next pass
+    deletes."""
+    finished = run.current_iteration()
+    kept = set(kept_checkpoints(finished, keep, every))
+    if len(kept) == finished:
         return []
     pruned = []
-    for iteration in range(max(0, run.current_iteration() - keep)):
+    for iteration in range(finished):
+        if iteration in kept:
+            continue
         folder = run.checkpoint_dir(iteration)
         manifest = read_manifest(folder)
         if manifest is None:
@@ -113,7 +128,8 @@ def drop_iterations(run: RunDir, first: int) -> None:
         if "pruned" in (read_manifest(previous) or {}):
             raise FlowGrpoError(
                 f"--restart-from {first}: iteration {first} starts from {previous}, whose "
-                "weights were deleted (run.keep_checkpoints); restart from a later iteration"
+                "weights were deleted (run.checkpoint_every / run.keep_checkpoints); restart from "
+                "an iteration whose previous checkpoint kept its weights"
             )
     doomed = [
         *(p for p in run.root.glob("iter-*") if _number(p.name) >= first),

@@ -2,7 +2,9 @@
 
 The first command on a run writes the resolved config to `RUN/config.toml`, once it holds the
 run's lock (`ResolvedRun.writing`): a command the lock refuses changes nothing, and one that
-fails before computing anything takes its config (and the folder it created) away again. Later
+fails before computing anything takes its config (and the folder it created) away again;
+data it prepared itself counts as nothing computed when nothing was computed from it (`loop`
+prepares before it loads the model, which may fail on a wrong path or LoRA rank). Later
 commands read it back; if the user passes a config (or `--set` overrides) that differs in
 anything that changes results, the command is refused with a diff, unless `allow_change` is
 set, in which case the new config replaces the stored one: stage manifests record the config
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -48,6 +51,7 @@ class ResolvedRun:
         root = self.run.root
         had_folder, had_config = root.exists(), self.run.config_path.exists()
         had_lock = os.path.lexists(self.run.lock_path)
+        had_data = os.path.lexists(self.run.data_dir)
         undo = False
         with RunLock(root):
             # A command that replaces the config and then fails before computing anything
@@ -60,6 +64,10 @@ class ResolvedRun:
                 self.store_config()
                 yield
             except BaseException:
+                if not had_data and _only_data(self.run):
+                    # `loop` prepares the data before it loads the model: data this command
+                    # made, and nothing computed from it, goes with the failed command.
+                    shutil.rmtree(self.run.data_dir, ignore_errors=True)
                 if old_config is not None and _computed(self.run) == before:
                     atomic_write_bytes(self.run.config_path, old_config)
                 undo = not self.run.holds_results()
@@ -73,6 +81,17 @@ class ResolvedRun:
                 if undo and not had_folder:
                     with contextlib.suppress(OSError):  # not empty: another command's now
                         root.rmdir()
+
+
+def _only_data(run: RunDir) -> bool:
+    """Whether the run's only result is its prepared data (a real folder, not a link):
+    no iteration, checkpoint or evaluation was computed from it."""
+    data = run.data_dir
+    if data.is_symlink() or not data.is_dir() or run.iterations():
+        return False
+    return not any(
+        os.path.lexists(p) for p in (run.checkpoint_dir(0).parent, run.eval_dir(0).parent)
+    )
 
 
 def _computed(run: RunDir) -> list[tuple[str, int, int]]:

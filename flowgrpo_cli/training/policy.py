@@ -335,8 +335,9 @@ def require_weights(checkpoint: Path, manifest: dict) -> None:
     """Refuse a checkpoint whose weights run.keep_checkpoints deleted, saying so."""
     if "pruned" in manifest:
         raise FlowGrpoError(
-            f"{checkpoint}: its weights were deleted to save disk (run.keep_checkpoints keeps "
-            "the last K checkpoints)"
+            f"{checkpoint}: its weights were deleted to save disk (run.checkpoint_every = k "
+            "keeps every k-th checkpoint and the latest; run.keep_checkpoints = K the last K "
+            "of those): pick a checkpoint that kept them"
         )
 
 
