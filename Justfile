@@ -133,11 +133,11 @@ gpu-check-vllm *ARGS: setup-vllm
 bench *ARGS: setup
     {{offline}} OMP_NUM_THREADS=1 {{python}} -m benchmarks {{ARGS}}
 
-# Lint, format check and the whole test suite.
+# Lint, format check and the whole test suite (test files spread over up to 4 processes).
 test: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
-    {{offline}} {{python}} -m pytest
+    {{offline}} {{python}} -m pytest --numprocesses auto --maxprocesses 4 --dist loadfile
 
 # The vllm-omni rollout engine's own environment, .venv-vllm: torch 2.13, vllm 0.30,
 # vllm-omni 0.30 (which pins diffusers 0.40) and flowgrpo. 1.7 GB download, 6.6 GB on disk.

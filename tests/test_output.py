@@ -1,5 +1,6 @@
 """What the command line prints: help texts, hints, progress, and no library noise."""
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -101,8 +102,11 @@ def test_tiny_model_prints_no_library_warnings_or_shard_bars(tmp_path):
 
 
 def test_trackers_print_no_run_summary_and_say_goodbye_once(make_run, tmp_path):
-    pytest.importorskip("trackio")
-    pytest.importorskip("wandb")
+    # Looked up, not imported: trackio reads TRACKIO_DIR once, at its first import, and
+    # test_trackers imports it in this process with a folder of its own.
+    for module in ("trackio", "wandb"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
     _, run = make_run('log.trackers=["trackio", "wandb"]', "log.project=fg-out")
     env = {"TRACKIO_DIR": str(tmp_path / "trackio"), "WANDB_MODE": "offline"}
     for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # not under ~

@@ -185,10 +185,14 @@ def _wandb(run: RunDir, project: str, name: str, params: dict[str, Any]) -> Trac
 
     # One W&B run per run folder: a resumed loop continues it rather than starting another.
     run_id = hashlib.sha256(str(run.root).encode()).hexdigest()[:16]
+    # WANDB_MODE as it is now: wandb reads it once per process, when first set up, and a
+    # process that used wandb before would otherwise keep that first mode.
+    mode = {"mode": os.environ["WANDB_MODE"]} if os.environ.get("WANDB_MODE") else {}
     try:
         return _HostedRun(
             wandb, project=project, name=name, id=run_id, resume="allow", config=params,
             dir=str(run.root), settings=wandb.Settings(quiet=True),  # no 40-line run summary
+            **mode,
         )  # fmt: skip
     except wandb.errors.UsageError as err:  # credentials _check_wandb_login could not see
         raise FlowGrpoError(_WANDB_LOGIN.format(why=f" ({err})")) from None
