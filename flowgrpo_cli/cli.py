@@ -126,7 +126,7 @@ def user_errors(fn: F) -> F:
         except FlowGrpoError as err:
             if _RAISE_USER_ERRORS.get():
                 raise
-            from flowgrpo_cli.launch.distributed import record_rank_error
+            from flowgrpo_cli.launch.rank_errors import record_rank_error
 
             if record_rank_error(str(err)):  # the launching process prints it, once
                 raise typer.Exit(1) from None

@@ -20,16 +20,11 @@ from typing import Any
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.launch.rank_errors import ERROR_DIR_ENV, LOCAL_RANK_ENV, read_rank_errors
 
 # Set in each Ray Train worker (launch/ray_cluster.py): this process is a rank, even of a world
 # of one.
 RAY_RANK_ENV = "FLOWGRPO_RAY_RANK"
-# Set for the ranks `launch_local` starts: the launching process holds the run's lock for them
-# and reports their errors; a rank without it was started by torchrun or another launcher.
-LOCAL_RANK_ENV = "FLOWGRPO_LOCAL_RANK"
-# Folder where a rank of `launch_local` leaves its one-line error instead of printing it, so
-# the launcher prints an error that every rank raised once.
-ERROR_DIR_ENV = "FLOWGRPO_RANK_ERRORS"
 
 
 @dataclass(frozen=True)
@@ -176,10 +171,7 @@ def launch_local(nproc: int, argv: list[str]) -> dict[int, str] | None:
         try:
             elastic_launch(config, sys.executable)("-m", "flowgrpo_cli", *argv)
         except ChildFailedError:
-            return {
-                int(path.stem.removeprefix("rank-")): path.read_text()
-                for path in sorted(Path(errors).glob("rank-*.txt"))
-            }
+            return read_rank_errors(Path(errors))
         finally:
             for key, value in saved.items():
                 if value is None:
@@ -187,14 +179,3 @@ def launch_local(nproc: int, argv: list[str]) -> dict[int, str] | None:
                 else:
                     os.environ[key] = value
     return None
-
-
-def record_rank_error(message: str) -> bool:
-    """In a rank of `launch_local`, leave `message` for the launcher to print (once, however
-    many ranks raise it) and return True; elsewhere return False (print it yourself)."""
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if not folder or os.environ.get(LOCAL_RANK_ENV) != "1":
-        return False
-    rank = int(os.environ.get("RANK", 0))
-    Path(folder, f"rank-{rank}.txt").write_text(message)
-    return True
