@@ -22,7 +22,7 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.config import Config
-from flowgrpo_cli.store.rundir import RunDir, read_manifest, sha256_file, verify_stage
+from flowgrpo_cli.store.rundir import RunDir, read_manifest, verify_part, verify_stage
 
 CONFIG_COPY = "flowgrpo_config.toml"
 
@@ -124,9 +124,8 @@ def _checkpoint_iteration(run: RunDir, iteration: int | None) -> int:
 def _check_copy(copy: Path, manifest: dict[str, Any], name: Path) -> None:
     """The copy is the file the manifest records: export takes no lock, and a checkpoint
     pruned (run.keep_checkpoints) while it was copied must not pass for a good one."""
-    recorded = next(part["sha256"] for part in manifest["parts"] if part["name"] == str(name))
-    if sha256_file(copy) != recorded:
-        raise FlowGrpoError(f"{copy}: not the checkpoint's {name} (changed while copied); retry")
+    recorded = next(part for part in manifest["parts"] if part["name"] == str(name))
+    verify_part(copy, recorded, redo="the checkpoint changed while it was copied; retry")
 
 
 def _check_weights_file(weights: Path) -> None:

@@ -88,16 +88,16 @@ def recompute_log_probs(policy, config, run, iteration: int = 0):
 
 def rewrite_part(stage_dir, name: str, write) -> None:
     """Replace a finished stage's part as its writer would have: `write(path)` writes the new
-    content, and the manifest's size and sha256 follow it, so that a test reaches the checks
+    content, and the manifest's size and digest follow it, so that a test reaches the checks
     on the content's meaning rather than the checksum (tests/test_integrity.py covers that)."""
-    from flowgrpo_cli.store.rundir import MANIFEST, atomic_write_json, read_manifest, sha256_file
+    from flowgrpo_cli.store.rundir import MANIFEST, atomic_write_json, part_entry, read_manifest
 
     path = stage_dir / name
     write(path)
     manifest = read_manifest(stage_dir)
     for part in manifest["parts"]:
         if part["name"] == name:
-            part.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+            part.update(part_entry(path, name))
     atomic_write_json(stage_dir / MANIFEST, manifest)
 
 

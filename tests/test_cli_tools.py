@@ -39,7 +39,7 @@ def test_inspect_verifies_each_part_against_its_manifest(make_run):
     do_score(config, run)
     scores = run.stage_dir(0, SCORE)
     result = runner.invoke(app, ["inspect", str(scores)])
-    assert "1 part(s) match their recorded size and sha256" in result.output
+    assert "1 part(s) match their recorded size and checksum" in result.output
     flip_one_byte(scores / "part-00000-of-00001.arrow")
     result = runner.invoke(app, ["inspect", str(scores)])
     assert "checksum differs from the manifest" in result.output.replace("\n", " ")

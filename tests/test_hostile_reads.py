@@ -295,7 +295,7 @@ def test_inspect_of_intact_run_iteration_and_part_exits_0(make_run):
         result = flowgrpo("inspect", path)
         assert result.exit_code == 0, (path, result.output)
     result = flowgrpo("inspect", run.root)
-    assert "match their recorded size and sha256" in result.output
+    assert "match their recorded size and checksum" in result.output
 
 
 def test_inspect_images_onto_an_existing_file(make_run, tmp_path):

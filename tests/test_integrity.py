@@ -1,4 +1,4 @@
-"""Every file a stage reads is checked against the size and sha256 its manifest recorded: one
+"""Every file a stage reads is checked against the size and XXH3 digest its manifest recorded: one
 flipped byte in any of them stops the next stage (and `inspect`) with the file's name. Names
 read from files (part names, sample ids) never lead outside their folder."""
 

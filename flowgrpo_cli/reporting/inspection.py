@@ -62,7 +62,7 @@ def _status(stage_dir: Path) -> str:
 
 
 class _Verifier:
-    """Verifies finished stage folders (every part against its recorded size and sha256) and
+    """Verifies finished stage folders (every part against its recorded size and checksum) and
     keeps what was wrong, so a whole run is looked at before the command fails."""
 
     def __init__(self) -> None:
@@ -85,7 +85,7 @@ class _Verifier:
             console.print(f"[red]damaged:[/] {escape(problem)}", highlight=False)
         if not self.problems:
             console.print(
-                f"[green]{self.parts} part(s) match their recorded size and sha256[/]",
+                f"[green]{self.parts} part(s) match their recorded size and checksum[/]",
                 highlight=False,
             )
         _raise_damage(self.problems)
@@ -140,7 +140,7 @@ def _verify_part(console: Console, path: Path) -> None:
         return
     redo = f"delete {stage_dir} and run the stage that wrote it again"
     verify_part(path, entry, redo)
-    console.print("[green]matches its recorded size and sha256[/]", highlight=False)
+    console.print("[green]matches its recorded size and checksum[/]", highlight=False)
 
 
 def _describe_stage(console: Console, folder: Path, images_dir: Path | None) -> None:
@@ -149,7 +149,7 @@ def _describe_stage(console: Console, folder: Path, images_dir: Path | None) -> 
     if manifest is not None:
         verified = verify_stage(folder)  # damage: the command's error, exit 1
         console.print(
-            f"[green]{len(verified['parts'])} part(s) match their recorded size and sha256[/]",
+            f"[green]{len(verified['parts'])} part(s) match their recorded size and checksum[/]",
             highlight=False,
         )
     if manifest is not None and "sampler" in manifest:

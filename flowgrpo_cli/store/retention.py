@@ -32,8 +32,8 @@ from flowgrpo_cli.store.rundir import (
     RunDir,
     atomic_write_json,
     manifest_hash,
+    part_entry,
     read_manifest,
-    sha256_file,
 )
 from flowgrpo_cli.store.trajectory import ArrowPartWriter, iter_batches, open_part
 
@@ -206,7 +206,7 @@ def _prune(folder: Path, manifest: dict[str, Any]) -> int:
             for batch in iter_batches([source], keep):
                 writer.write(batch)
         path = staging / name
-        parts.append({"name": name, "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+        parts.append(part_entry(path, name))
     listed = {part["name"] for part in manifest["parts"]}
     for path in folder.iterdir():  # metrics.json and anything else the stage wrote beside
         if path.is_file() and path.name not in listed and path.name != MANIFEST:
