@@ -159,3 +159,14 @@ def test_outputs_name_checkpoint_and_updates_the_same_way(tmp_path, make_run):
     page = (run.root / "report/index.html").read_text()
     assert "the policy after N updates" in page
     assert "<td>1 (final evaluation)</td>" in page
+
+
+def test_ocr_on_a_prompt_without_quoted_text_suggests_another_reward(tmp_path, monkeypatch):
+    from PIL import Image
+
+    monkeypatch.chdir(tmp_path)  # a short image name: the error fits its table cell
+    Image.new("RGB", (64, 64), "white").save("w.png")
+    result = _flowgrpo("reward", "--prompt", "a cat on a sofa", "w.png")
+    assert result.exit_code == 0, result.output
+    assert "ocr: no quoted target text in the prompt" in result.output
+    assert "reward.weights={jpeg_compressibility = 1.0}" in " ".join(result.output.split())

@@ -131,7 +131,7 @@ def test_failures_are_per_image_errors_not_zeros(in_process):
     first, empty, no_target = output.scores
     assert first.value == 1.0 and first.error is None
     assert empty.value is None and "OCR engine failed" in empty.error
-    assert no_target.value is None and "no ground truth" in no_target.error
+    assert no_target.value is None and "no quoted target text in the prompt" in no_target.error
     assert output.details["text"][0] == "Hello World"
     assert output.details["text"][1] is None
 

@@ -190,7 +190,7 @@ def test_score_image_files_reads_targets_from_prompts(tmp_path):
     result = score_image_files(paths, prompts, RewardSection())
     assert result.columns["ocr"] == [pytest.approx(0.9), None]
     assert result.details["ocr"]["text"] == ["Hello World", "Hello World"]
-    assert "no ground truth" in result.reward_error[1]
+    assert "no quoted target text" in result.reward_error[1]
 
 
 def test_score_image_files_input_errors(tmp_path):

@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flowgrpo_cli.store.prompts import NO_TARGET, OTHER_REWARD_HINT
 from flowgrpo_cli.store.rundir import RunDir
 
 
@@ -85,6 +86,8 @@ def render_reward_table(console: Console, images: list, result: Any) -> None:
         row.append(result.reward_error[i] or "")
         table.add_row(*row)
     console.print(table)
+    if any(NO_TARGET in (error or "") for error in result.reward_error):
+        console.print(OTHER_REWARD_HINT, highlight=False, markup=False)
 
 
 def _number(value: float | None) -> str:

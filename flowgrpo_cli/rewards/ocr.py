@@ -29,6 +29,7 @@ from flowgrpo_cli.rewards.base import (
     RewardOutput,
     describe_exception,
 )
+from flowgrpo_cli.store.prompts import NO_TARGET
 
 if TYPE_CHECKING:
     from flowgrpo_cli.rewards.options import RewardOptions
@@ -164,7 +165,7 @@ def _score_read(read: OcrRead, target: str | None) -> ImageScore:
         return ImageScore.failed(read.error)
     assert read.text is not None
     if target is None:
-        return ImageScore.failed("no ground truth (the prompt has no quoted text)")
+        return ImageScore.failed(f"{NO_TARGET} in the prompt")
     try:
         return ImageScore(value=ocr_score(read.text, target))
     except ValueError as err:

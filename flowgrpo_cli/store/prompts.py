@@ -240,15 +240,18 @@ def _require_target(item: PromptRow | PromptProblem, reward: str) -> PromptRow |
 NO_TARGET = "no quoted target text"
 
 
+OTHER_REWARD_HINT = (
+    "prompts without text to render need a reward that reads no target: "
+    "--set 'reward.weights={jpeg_compressibility = 1.0}', `remote`, or a plugin "
+    "(module:function; see `flowgrpo reward --help`)"
+)
+
+
 def other_reward_hint(problems: list[PromptProblem]) -> str:
     """For rows refused for want of a target: how to train on prompts without text."""
     if not any(p.message.startswith(NO_TARGET) for p in problems):
         return ""
-    return (
-        "\n  prompts without text to render need a reward that reads no target: "
-        "--set 'reward.weights={jpeg_compressibility = 1.0}', `remote`, or a plugin "
-        "(module:function; see `flowgrpo reward --help`)"
-    )
+    return f"\n  {OTHER_REWARD_HINT}"
 
 
 def format_problems(problems: list[PromptProblem]) -> str:
