@@ -5,12 +5,12 @@ tick as the file's last change. Manifests written with sha256 before still verif
 import hashlib
 import os
 
-import xxhash
 import pytest
+import xxhash
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store import rundir
-from flowgrpo_cli.store.rundir import StageWriter, xxh3_file, verify_stage
+from flowgrpo_cli.store.rundir import StageWriter, verify_stage, xxh3_file
 
 OLD_NS = 10**9 * 1_000_000_000  # 2001-09-09: far more than _RACY_NS before any test runs
 
@@ -107,4 +107,3 @@ def test_a_part_entry_without_a_digest_is_refused(tmp_path):
     rundir.atomic_write_json(tmp_path / "s" / rundir.MANIFEST, manifest)
     with pytest.raises(FlowGrpoError, match=r"`parts\[0\]` records no digest"):
         verify_stage(tmp_path / "s")
-

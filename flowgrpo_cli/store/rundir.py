@@ -407,8 +407,8 @@ def manifest_hash(stage_dir: Path) -> str:
 
 
 def verify_stage(stage_dir: Path) -> dict[str, Any]:
-    """Check every part listed in the manifest against its recorded size and digest (one
-    read of each per process, see verify_part); a mismatch names the file and says how to redo the stage."""
+    """Check every part listed in the manifest against its recorded size and digest (one read
+    of each per process, see verify_part); a mismatch names the file and how to redo it."""
     manifest = read_manifest(stage_dir)
     if manifest is None:
         raise FlowGrpoError(f"{stage_dir}: incomplete (no {MANIFEST})")
