@@ -13,7 +13,6 @@ takes no lock (finished checkpoints are never rewritten), so a run exports while
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -21,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.model_card import CONFIG_COPY, model_card
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.rundir import RunDir, read_manifest, verify_part, verify_stage
-
-CONFIG_COPY = "flowgrpo_config.toml"
 
 
 @dataclass(frozen=True)
@@ -186,115 +184,6 @@ def _load_transformer(transformer: Any, state: dict[str, Any], path: Path) -> No
             f"{path} does not match the base model's transformer: missing "
             f"{missing_parameters[:3]}, unexpected {sorted(unexpected)[:3]}"
         )
-
-
-def model_card(
-    config: Config, run: RunDir, iteration: int, *, ema: bool, merged: bool, command: str
-) -> str:
-    """README.md for the exported folder: what it is, how it was trained and scored, how to
-    load it. Hub metadata names the base model only when it is a hub id."""
-    from flowgrpo_cli import __version__
-
-    base = config.model.path
-    local_base = Path(base).exists()
-    tags = ["flowgrpo", config.algorithm.name, "text-to-image", "diffusers"]
-    if not merged:
-        tags.append("lora")
-    front = ["---", "library_name: diffusers"]
-    if not local_base:
-        front.append(f"base_model: {base}")
-    front += ["tags:", *(f"- {tag}" for tag in tags), "---"]
-    rewards = ", ".join(f"`{name}` x {weight:g}" for name, weight in config.reward.weights.items())
-    from flowgrpo_cli.reporting.render import checkpoint_name, updates
-
-    weights = "the EMA of the trained weights" if ema else "the trained weights"
-    what = "A full pipeline with" if merged else "A LoRA adapter holding"
-    lines = [
-        *front,
-        "",
-        f"# {run.root.name}, {checkpoint_name(iteration)}",
-        "",
-        f"{what} {weights} of {checkpoint_name(iteration)}: the policy after "
-        f"{updates(iteration + 1)} (iterations 0 to {iteration}) of a "
-        f"flowgrpo {__version__} run: algorithm `{config.algorithm.name}`, reward {rewards}, "
-        f"train.mode `{config.train.mode}`, base model `{base}`.",
-        "",
-        *_eval_lines(run, iteration + 1, ema=ema),
-        "## Use",
-        "",
-        "```python",
-        "from diffusers import DiffusionPipeline",
-        "",
-    ]
-    if merged:
-        lines.append('pipe = DiffusionPipeline.from_pretrained("THIS_FOLDER_OR_REPO")')
-    else:
-        lines += [
-            f'pipe = DiffusionPipeline.from_pretrained("{base}")',
-            'pipe.load_lora_weights("THIS_FOLDER_OR_REPO")  # rank and alpha come from the file',
-        ]
-    lines += [
-        "```",
-        "",
-        "## Made with",
-        "",
-        f"`{command}`" if command else "flowgrpo export",
-        "",
-        f"The run's config is `{CONFIG_COPY}`.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def _eval_lines(run: RunDir, evaluated: int, *, ema: bool) -> list[str]:
-    """The held-out evaluation of these weights beside the base's, when the run made them.
-
-    The loop evaluates the EMA weights when the run keeps an EMA: that number is the EMA
-    export's, never the plain weights' (eval/iter-M's manifest records which were evaluated)."""
-    from flowgrpo_cli.reporting.render import checkpoint_name, updates
-
-    found = {n: _eval_reward(run, n) for n in (0, evaluated)}
-    after = f"after {updates(evaluated)} ({checkpoint_name(evaluated - 1)})"
-    if found[evaluated] is None:
-        return [f"No held-out evaluation was run of the policy {after}.", ""]
-    evaluated_ema = _evaluated_ema(run, evaluated)
-    if evaluated_ema != ema:
-        other = "the EMA of the weights" if evaluated_ema else "the plain weights"
-        export = "`flowgrpo export --ema`" if evaluated_ema else "`flowgrpo export` without --ema"
-        return [
-            f"Held-out evaluation: these weights were not evaluated. The run evaluated {other} "
-            f"{after}: eval/reward_mean {found[evaluated]:.4f} (exported by {export}).",
-            "",
-        ]
-    base = "not evaluated" if found[0] is None else f"{found[0]:.4f}"
-    return [
-        "| held-out reward (eval/reward_mean) | value |",
-        "|---|---|",
-        f"| base model | {base} |",
-        f"| {after} | {found[evaluated]:.4f} |",
-        "",
-    ]
-
-
-def _evaluated_ema(run: RunDir, iteration: int) -> bool:
-    """Whether eval/iter-N evaluated EMA weights: its policy version ends in `+ema`."""
-    identity = (read_manifest(run.eval_dir(iteration)) or {}).get("identity")
-    policy = identity.get("policy") if isinstance(identity, dict) else None
-    return isinstance(policy, str) and policy.endswith("+ema")
-
-
-def _eval_reward(run: RunDir, iteration: int) -> float | None:
-    path = run.eval_dir(iteration) / "metrics.json"
-    if not path.is_file():
-        return None
-    try:
-        metrics = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FlowGrpoError(f"{path}: not valid JSON ({err})") from None
-    value = metrics.get("eval/reward_mean") if isinstance(metrics, dict) else None
-    if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-        raise FlowGrpoError(f"{path}: `eval/reward_mean` is {value!r}, not a number")
-    return float(value) if value is not None else None
 
 
 def push_to_hub(folder: Path, repo: str, *, private: bool = False) -> str:

@@ -35,7 +35,7 @@ from flowgrpo_cli.store.trajectory import read_table, write_table
 GRID_IMAGES = 16
 
 
-def _requests(config: Config, run: RunDir) -> list[SampleRequest]:
+def evaluation_requests(config: Config, run: RunDir) -> list[SampleRequest]:
     require_manifest(run.data_dir, PREPARE.command)
     rows = read_split(run, "test")
     if config.eval.num_prompts:
@@ -61,7 +61,7 @@ def evaluate(
     """Evaluate the engine's current policy; returns `eval/...` metrics (cached on disk)."""
     info = dist_info()
     verify_inputs(run.data_dir)
-    requests = _requests(config, run)
+    requests = evaluation_requests(config, run)
     if not requests:
         return {}
     identity = {"config": config_hash(config), "policy": engine.version}

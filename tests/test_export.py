@@ -175,7 +175,8 @@ def test_export_picks_the_iteration_and_writes_a_model_card(make_run, tmp_path):
         and "| after 1 update (checkpoint iter-000000) | 0.5000 |" in card
     )
     assert "algorithm `flow_grpo`" in card and "`jpeg_compressibility` x 1" in card
-    assert "load_lora_weights" in card and f"flowgrpo export {run.root}" in card
+    assert "load_lora_weights" in card and f"flowgrpo export {run.root.name} first" in card
+    assert str(tmp_path) not in card  # paths shown by their last part only
     weights = "pytorch_lora_weights.safetensors"
     assert (tmp_path / "first" / weights).read_bytes() == (
         run.checkpoint_dir(0) / weights
