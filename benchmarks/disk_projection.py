@@ -99,7 +99,7 @@ def measure(workdir: Path) -> dict[str, float]:
 
 
 def project(measured: dict[str, float]) -> list[tuple[str, str, str]]:
-    """(what, per iteration, 1,000 iterations) rows for the README."""
+    """(what, per iteration, 1,000 iterations) rows for docs/run-directory.md."""
     from flowgrpo_cli.reporting.render import format_bytes
     from flowgrpo_cli.store.config import load_config
 

@@ -155,7 +155,7 @@ class Sizes:
 #: One GPU: 2 prompts x 8 images (two rollout batches of 8, 16 CFG rows per forward), the
 #: update in micro-batches of 4 (the example's), two iterations.
 GPU_SIZES = Sizes(2, 8, 8, 4, 10, 512, 512, 2, "bfloat16", 0)
-#: --smoke: float32, where the on-policy gap must vanish (DESIGN.md: below 1e-6).
+#: --smoke: float32, where the on-policy gap must vanish (below 1e-6).
 SMOKE_SIZES = Sizes(2, 4, 4, 2, 3, 64, 64, 2, "float32", 16)
 
 

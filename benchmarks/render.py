@@ -1,4 +1,4 @@
-"""The results as a console table (rich) and as markdown for the README."""
+"""The results as a console table (rich) and as markdown for docs/performance.md."""
 
 from __future__ import annotations
 

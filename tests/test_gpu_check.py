@@ -69,7 +69,7 @@ def test_smoke_logprob_gap_vanishes_in_float32(smoke):
     assert set(gap["per_iteration"]) == {"0", "1"}
     for values in gap["per_iteration"].values():
         assert 0.0 <= values["mean"] <= values["max"]
-    # DESIGN.md's on-policy check: below 1e-6 in float32, though rollout batched 2x the rows.
+    # The on-policy check: below 1e-6 in float32, though rollout batched 2x the rows.
     assert gap["max"] < gap["float32_bound"] == 1e-6
     assert gap["rollout_rows_per_forward"] != gap["update_rows_per_forward"]
 

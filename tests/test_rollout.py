@@ -256,7 +256,7 @@ def test_merge_lora_refuses_what_it_cannot_merge(make_run, overrides, message):
 
 
 def test_parts_open_in_hugging_face_datasets(make_run):
-    """The README's one line: a rollout part as a `datasets.Dataset`, latents included."""
+    """The docs' one line (stages.md): a rollout part as a `datasets.Dataset`, latents included."""
     datasets = pytest.importorskip("datasets")
     import pyarrow as pa
 

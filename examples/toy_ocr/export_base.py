@@ -1,7 +1,7 @@
 """Copy a pre-training checkpoint into the committed base folder, weights in float16.
 
 float16 halves the folder (15 MB -> 7.5 MB) for a rounding of the weights of about 5e-4
-relative; flowgrpo loads it as float32 (model.dtype) and every number in the README was
+relative; flowgrpo loads it as float32 (model.dtype) and every number in the docs was
 measured on this exported folder, not on the float32 checkpoint.
 
 Run:

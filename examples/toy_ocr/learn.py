@@ -24,7 +24,7 @@ Writes OUT/<arm>/curve.jsonl per arm, OUT/learn.png (every arm on one chart) and
 runs as they stand; --with NAME=RUN adds an arm of another learn folder (a variant run with
 --set, or an arm's curve at another CFG scale from rescore.py) to them.
 
-Run (the README's result; then one arm on the validation prompts):
+Run (the result of docs/experiments.md; then one arm on the validation prompts):
     python examples/toy_ocr/learn.py --out runs/learn
     python examples/toy_ocr/learn.py --minutes 10 --arms nft --split val --out runs/learn-val
 """

@@ -41,7 +41,7 @@ class NftOutput:
     batch_size: int
 
 
-# NftOutput field -> how update.LossMetrics folds it over timesteps and micro-batches.
+# NftOutput field -> how LossMetrics (algorithm/loss.py) folds it over timesteps and micro-batches.
 NFT_FOLDS: dict[str, str] = {
     "loss": "mean",
     "policy_loss": "mean",

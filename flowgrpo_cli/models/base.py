@@ -125,7 +125,7 @@ class PipelinePlacement:
     diffusers' ``ModelMixin.dtype`` / ``.device`` and ``DiffusionPipeline.device`` walk every
     submodule (and its offloading hooks) on each access, 0.4-3.5 ms apiece even on the tiny
     test model; the rollout asks once per denoising step and per prompt encoding, which was
-    about a tenth of a tiny rollout's time (README, performance). load_adapter places the
+    about a tenth of a tiny rollout's time (docs/performance.md). load_adapter places the
     pipeline before wrapping it and nothing moves it afterwards, so the first answer holds.
     Subclasses are dataclasses with a ``pipeline`` field.
     """

@@ -2,7 +2,7 @@
 
 A reward never turns a failure into a number. An image it cannot score gets an `ImageScore`
 with an error message and no value, and the score stage decides what to do with that sample
-(see `policy.py`).
+(see `on_error.py`).
 """
 
 from __future__ import annotations

@@ -34,9 +34,10 @@ from flowgrpo_cli.store.prompts import NO_TARGET
 if TYPE_CHECKING:
     from flowgrpo_cli.rewards.options import RewardOptions
 
-# Settings measured in notes/toolchain.md: the defaults (min side scaled up to 736, a
-# rotation classifier, all cores per engine) were several times slower on 512x512 images
-# and dropped spaces on small text; one thread per engine lets worker processes scale.
+# Settings measured on a 2-core CPU when the reward was written: the defaults (min side
+# scaled up to 736, a rotation classifier, all cores per engine) were several times slower on
+# 512x512 images and dropped spaces on small text; one thread per engine lets worker
+# processes scale.
 ENGINE_SETTINGS: dict[str, Any] = {
     "det_limit_type": "max",
     "det_limit_side_len": 960,

@@ -1,7 +1,7 @@
 """The typed run config: one TOML file per run, validated on load.
 
 Each section is a dataclass whose fields carry their help text and their allowed values, so
-validation, the README's config reference and `flowgrpo config --help-keys` read from one
+validation, the docs' configuration reference and `flowgrpo config --reference` read from one
 place. Every problem found is reported at once, each naming the key, the file and line where
 it was set, and what is allowed (or the closest valid key for a typo).
 
@@ -1023,7 +1023,7 @@ def dumps_config(config: Config) -> str:
 
 
 def iter_reference(cls: type = Config, prefix: str = "") -> typing.Iterator[tuple[str, str, str]]:
-    """(dotted key, default, help) for every key: the README's config reference."""
+    """(dotted key, default, help) for every key: the docs' configuration reference."""
     hints = typing.get_type_hints(cls)
     defaults = cls()
     for f in dataclasses.fields(cls):

@@ -62,7 +62,7 @@ ITERATION_STAGES = (ROLLOUT, SCORE, UPDATE)
 
 @dataclass(frozen=True)
 class RunDir:
-    """Paths inside one run directory (DESIGN.md "The run directory")."""
+    """Paths inside one run directory (docs/run-directory.md)."""
 
     root: Path
 
