@@ -49,10 +49,9 @@ demo: setup
     "$flowgrpo" loop --config examples/tiny.toml --iterations 30
     "$flowgrpo" report runs/tiny
 
-# Flow-GRPO with the OCR reward on the committed 3.7M-parameter base (examples/toy_ocr/base),
-# held-out evaluation every 10 iterations, a report, then base and trained scored with and
-# without CFG: the experiment of the README's results section. About 25 minutes on one core
-# (14 of them RL); not part of `test`.
+# Held-out evaluation every 10 iterations, a report, then base and trained scored with and
+# without CFG (docs/experiments.md). About 25 minutes on one core (14 of them RL).
+# Flow-GRPO with the OCR reward on the committed 3.7M-parameter toy base, 70 iterations.
 toy-ocr iterations="70": setup
     #!/usr/bin/env bash
     set -euo pipefail
@@ -67,10 +66,10 @@ toy-ocr iterations="70": setup
         {{python}} examples/toy_ocr/evaluate.py examples/toy_ocr/base ${lora:+--lora "$lora"}
     done
 
-# Pre-train the toy OCR base from scratch and export it to examples/toy_ocr/base, as it was
-# made: 3,500 steps from scratch, exported (float16), then 2,000 more steps from that export
-# with a fresh optimizer, exported, then 750 more the same way. The run folders keep every
-# checkpoint and its held-out scores (about 2.8 hours on 2 cores; PRETRAINING.md).
+# As it was made: 3,500 steps from scratch, exported (float16), then 2,000 more steps from that
+# export with a fresh optimizer, exported, then 750 more the same way. The run folders keep
+# every checkpoint and its held-out scores (examples/toy_ocr/PRETRAINING.md).
+# Pre-train the toy OCR base from scratch into examples/toy_ocr/base (2.8 hours on 2 cores).
 toy-ocr-pretrain: setup
     {{offline}} {{python}} examples/toy_ocr/pretrain.py --out runs/toy-ocr-pretrain --max-steps 3500 --minutes 1000 --threads 2
     {{offline}} {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-pretrain/checkpoints/step-03500 examples/toy_ocr/base
@@ -80,19 +79,19 @@ toy-ocr-pretrain: setup
     {{offline}} {{python}} examples/toy_ocr/export_base.py runs/toy-ocr-stage3/checkpoints/step-00750 examples/toy_ocr/base
 
 # RL algorithms and continued pre-training of the toy OCR base, each for the same training
-# time, as held-out OCR accuracy against training minutes; options pass through.
-# The learning benchmark (README, "Does it learn?"): `just learn --minutes 10 --arms awm,pretrain`.
+# time, as held-out OCR accuracy against training minutes (docs/experiments.md).
+# The learning benchmark: `just learn --minutes 10 --arms awm,pretrain` (options pass through).
 learn *ARGS: setup
     {{offline}} {{python}} examples/toy_ocr/learn.py {{ARGS}}
 
-# To choose the CFG scale an RL arm is scored at on the validation prompts (README, "Does it learn?"):
-# its checkpoints scored again at other scales, `just rescore runs/learn/awm --guidance 1,2,4`.
+# To choose the CFG scale an RL arm is scored at on the validation prompts (docs/experiments.md).
+# An arm's checkpoints scored at other CFG scales: `just rescore runs/learn/awm --guidance 1,2,4`.
 rescore *ARGS: setup
     {{offline}} {{python}} examples/toy_ocr/rescore.py {{ARGS}}
 
 # AWM on 4 training prompts of the toy OCR base, 16 images each: their rollout reward (printed
 # per iteration) must climb toward 1 within minutes. On your own run: the same --set options
-# on its config (README, "When a run is flat").
+# on its config (docs/troubleshooting.md, "When a run is flat").
 # The overfit check, the first thing to try when a run is flat.
 overfit iterations="30": setup
     {{offline}} {{venv}}/bin/flowgrpo loop --config examples/toy_ocr/rl_awm.toml \
@@ -100,13 +99,13 @@ overfit iterations="30": setup
         --set data.train_prompts=4 --set algorithm.prompts_per_iteration=4 \
         --set algorithm.group_size=16 --set eval.every=0
 
-# Disk of a 1,000-iteration run of examples/sd35m_ocr.toml, with and without retention,
-# measured on the tiny model and scaled to SD3.5-M's shapes (README, "The run directory").
+# Measured on the tiny model and scaled to SD3.5-M's shapes (docs/run-directory.md).
+# Disk of a 1,000-iteration run of examples/sd35m_ocr.toml, with and without retention.
 disk-projection: setup
     {{offline}} {{python}} -m benchmarks.disk_projection
 
-# Weights memory of the model rewards (pickscore, clipscore, aesthetic), counted from their
-# released architectures on the meta device (README, "Model rewards").
+# Counted from their released architectures on the meta device (docs/rewards.md).
+# Weights memory of the model rewards (pickscore, clipscore, aesthetic).
 reward-memory: setup
     {{offline}} {{python}} -m benchmarks.reward_memory
 
@@ -128,19 +127,19 @@ gpu-check *ARGS: setup
 gpu-check-vllm *ARGS: setup-vllm
     {{offline}} {{venv_vllm}}/bin/python -m benchmarks.gpu_check {{ARGS}}
 
-# Every benchmark, side by side, one table (also written to benchmarks/results.md).
 # Options pass through: `just bench --only rollout,update --reps 4`.
+# Every benchmark, side by side, one table (also written to benchmarks/results.md).
 bench *ARGS: setup
     {{offline}} OMP_NUM_THREADS=1 {{python}} -m benchmarks {{ARGS}}
 
-# Lint, format check and the whole test suite (test files spread over up to 4 processes).
+# Lint, format check, the docs' strict build and every test (files over up to 4 processes).
 test: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
     {{offline}} {{python}} -m pytest --numprocesses auto --maxprocesses 4 --dist loadfile
 
-# The vllm-omni rollout engine's own environment, .venv-vllm: torch 2.13, vllm 0.30,
-# vllm-omni 0.30 (which pins diffusers 0.40) and flowgrpo. 1.7 GB download, 6.6 GB on disk.
+# vllm-omni 0.30 pins diffusers 0.40, so it gets its own environment. 1.7 GB download, 6.6 GB.
+# The vllm-omni engine's environment, .venv-vllm: torch 2.13, vllm 0.30, vllm-omni, flowgrpo.
 setup-vllm:
     bash scripts/vllm/setup.sh
 
@@ -148,6 +147,15 @@ setup-vllm:
 test-vllm:
     bash scripts/vllm/setup.sh --cpu-test
     {{offline}} {{venv_vllm}}/bin/python -m pytest tests/vllm -s
+
+# Strict: a broken link, anchor or nav entry fails (tests/test_docs.py builds it the same way).
+# Build the documentation site into site/.
+docs: setup
+    NO_MKDOCS_2_WARNING=1 {{venv}}/bin/mkdocs build --strict
+
+# Serve the documentation site at http://127.0.0.1:8000, rebuilt as you edit.
+docs-serve: setup
+    NO_MKDOCS_2_WARNING=1 {{venv}}/bin/mkdocs serve
 
 # Apply the formatter and the linter's safe fixes.
 fmt: setup

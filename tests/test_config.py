@@ -215,9 +215,3 @@ def test_stored_config_is_used_when_none_is_given(tmp_path):
 def test_example_configs_validate(path):
     config = load_config(path)
     assert config.model.path
-
-
-def test_readme_documents_every_config_key():
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    missing = [key for key, _, _ in iter_reference() if f"`{key}`" not in readme]
-    assert missing == []
