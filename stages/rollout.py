@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields, replace
 
-from flowgrpo_cli.algorithm.registry import spec
+from flowgrpo_cli.algorithm.registry import anchor_schedule, spec
 from flowgrpo_cli.algorithm.schedule import (
     StepSchedule,
     WindowMotion,
@@ -183,6 +183,7 @@ def run(
         "world_size": info.world_size,
     }
     writer = StageWriter(run.stage_dir(iteration, ROLLOUT), ROLLOUT.name, identity)
+    anchor_schedule(config.algorithm)  # refuses an anchor_decay the algorithm would ignore
     settings = sampler_settings(config, iteration)
     parts = [part_name(r, info.world_size) for r in range(info.world_size)]
 

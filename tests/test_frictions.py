@@ -170,3 +170,14 @@ def test_ocr_on_a_prompt_without_quoted_text_suggests_another_reward(tmp_path, m
     assert result.exit_code == 0, result.output
     assert "ocr: no quoted target text in the prompt" in result.output
     assert "reward.weights={jpeg_compressibility = 1.0}" in " ".join(result.output.split())
+
+
+def test_anchor_decay_where_the_algorithm_has_no_settable_anchor_is_refused(make_run):
+    for algorithm, kept in (("grpo_guard", "the weights that sampled"), ("flow_grpo", "no anchor")):
+        sets = (f"algorithm.name={algorithm}", "algorithm.anchor_decay=[0, 0.1, 0.5]")
+        _, run = make_run(*sets, name=algorithm)
+        result = _flowgrpo("loop", "--run", run.root, "-n", "1")
+        assert result.exit_code == 1, result.output
+        message = " ".join(result.output.split())
+        assert "algorithm.anchor_decay = [0.0, 0.1, 0.5] sets the anchor of nft and awm" in message
+        assert f"{algorithm} keeps {kept}" in message

@@ -24,6 +24,7 @@ from typing import Any
 from flowgrpo_cli.algorithm.awm import AWM_FOLDS
 from flowgrpo_cli.algorithm.loss import FLOW_GRPO_FOLDS, GRPO_GUARD_FOLDS
 from flowgrpo_cli.algorithm.nft import NFT_FOLDS
+from flowgrpo_cli.errors import FlowGrpoError
 
 
 @dataclass(frozen=True)
@@ -35,13 +36,23 @@ class AlgorithmSpec:
     default_anchor_decay: tuple[float, float, float] | None
     folds: dict[str, str]  # its loss output's fields -> how update/... metrics fold them
     progressive_window: bool = False  # the SDE window moves with training (mixgrpo)
+    # algorithm.anchor_decay sets the anchor's decay (nft, awm); False: the anchor is part of
+    # the algorithm itself (grpo_guard's is always the weights that sampled)
+    anchor_decay_configurable: bool = True
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "flow_grpo": AlgorithmSpec("flow_grpo", True, False, None, FLOW_GRPO_FOLDS),
     # The anchor with decay 0 is the weights each iteration starts from, which sampled: the
     # old means RatioNorm needs are recomputed with it rather than stored by rollout.
-    "grpo_guard": AlgorithmSpec("grpo_guard", True, False, (0.0, 0.0, 0.0), GRPO_GUARD_FOLDS),
+    "grpo_guard": AlgorithmSpec(
+        "grpo_guard",
+        True,
+        False,
+        (0.0, 0.0, 0.0),
+        GRPO_GUARD_FOLDS,
+        anchor_decay_configurable=False,
+    ),
     "mixgrpo": AlgorithmSpec("mixgrpo", True, False, None, FLOW_GRPO_FOLDS, True),
     # DiffusionNFT's default decay (its `decay_type` 1); its OCR recipe uses [75, 0.0075, 0.999].
     "nft": AlgorithmSpec("nft", False, True, (0.0, 0.001, 0.5), NFT_FOLDS),
@@ -56,7 +67,14 @@ def spec(name: str) -> AlgorithmSpec:
 
 def anchor_schedule(section: Any) -> tuple[float, float, float] | None:
     """The [algorithm] section's anchor decay schedule, or None when the algorithm keeps none."""
-    default = spec(section.name).default_anchor_decay
+    algorithm = spec(section.name)
+    default = algorithm.default_anchor_decay
+    if section.anchor_decay and (default is None or not algorithm.anchor_decay_configurable):
+        kept = "no anchor" if default is None else "the weights that sampled as its anchor"
+        raise FlowGrpoError(
+            f"algorithm.anchor_decay = {list(section.anchor_decay)} sets the anchor of nft and "
+            f"awm only; {section.name} keeps {kept}: remove the key"
+        )
     if default is None:
         return None
     return tuple(section.anchor_decay) if section.anchor_decay else default
