@@ -362,8 +362,10 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_checkpoint(make_run, nam
 def test_two_processes_train_the_same_weights_and_anchor_as_one(make_run, name):
     """Each sample draws its noise levels and noises from its own generator, so splitting the
     batches over ranks changes nothing: FSDP2's step equals the single-process one."""
+    # grpo_guard's anchor always follows the weights (decay 0); nft's and awm's lag them here
+    decay = [] if name == "grpo_guard" else ["algorithm.anchor_decay=[0, 0.2, 0.5]"]
     config, run = make_run(*SETTINGS[name], f"algorithm.name={name}", "sampler.batch_size=2",
-                           "algorithm.anchor_decay=[0, 0.2, 0.5]")  # fmt: skip
+                           *decay)  # fmt: skip
     do_rollout(config, run)
     do_score(config, run)
     two = run.root.parent / "nproc2"
