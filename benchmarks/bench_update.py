@@ -39,7 +39,7 @@ from flowgrpo_cli.store.rundir import ROLLOUT, UPDATE
 GOAL = 1.15
 
 ORDER = [
-    "verify rollout and score parts (sha256)",
+    "verify rollout and score parts (XXH3)",
     "load scores, advantages, locate rows",
     "read conditioning part",
     "read micro-batch rows (mmap, take, copy)",
@@ -280,7 +280,7 @@ def _profiled() -> SectionTimers:
         (StageWriter, "finish", files),
         (update, "write_table", files),
         (stage_skeleton, "atomic_write_json", files),
-        (update, "verify_inputs", "verify rollout and score parts (sha256)"),
+        (update, "verify_inputs", "verify rollout and score parts (XXH3)"),
         (update, "checkpoint_version", "policy version (sha256 of the checkpoint)"),
         (update, "_train", "training loop glue"),
     ):
