@@ -163,7 +163,7 @@ def _eval_images(run: RunDir, iteration: int) -> dict[str, bytes]:
 
 def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, bytes]:
     """What the diffusers engine draws for the evaluation of `iteration`: noise level 0."""
-    from flowgrpo_cli.stages.evaluate import _requests
+    from flowgrpo_cli.stages.evaluate import evaluation_requests
 
     from flowgrpo_cli.algorithm.schedule import build_step_schedule
     from flowgrpo_cli.engines.sampling import SamplerSettings
@@ -174,7 +174,7 @@ def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, byt
         policy,
         max_sequence_length=config.model.max_sequence_length,
     )
-    requests = _requests(config, run)
+    requests = evaluation_requests(config, run)
     settings = SamplerSettings(
         kind=config.sampler.kind,
         noise_level=0.0,
