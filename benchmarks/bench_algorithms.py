@@ -30,7 +30,6 @@ from benchmarks.common import (
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from flowgrpo_cli.stages import rollout
-
     from flowgrpo_cli.store.rundir import ROLLOUT
 
     runs = {}
@@ -69,7 +68,6 @@ def run(ctx: Context, report: Report, shared: dict) -> None:
 def _time_rollouts(runs: dict, engine, reps: int):
     """Iteration 0's rollout of each (config, run) in `runs`, timed in alternation."""
     from flowgrpo_cli.stages import rollout
-
     from flowgrpo_cli.store.rundir import ROLLOUT
 
     def side(name: str) -> Side:

@@ -37,7 +37,6 @@ SMOKE_GROUPS = {"1x": 1, "8x": 2}  # --smoke
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from flowgrpo_cli.stages import rollout, score
-
     from flowgrpo_cli.training.policy import load_policy
 
     runs, children = {}, {}

@@ -68,6 +68,7 @@ ORDER = [
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from diffusers import StableDiffusion3Pipeline
+
     from flowgrpo_cli.stages import rollout
 
     config, run_dir = make_run(ctx.workdir / "shared", ctx.model(), *ctx.shared_overrides)
@@ -258,7 +259,6 @@ def _profiled():
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
     from diffusers.image_processor import VaeImageProcessor
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
-    from flowgrpo_cli.stages import rollout
 
     import flowgrpo_cli.algorithm.sde as sde
     import flowgrpo_cli.engines.diffusers_engine as engine_module
@@ -267,6 +267,7 @@ def _profiled():
     import flowgrpo_cli.models as models
     from flowgrpo_cli.models.base import Conditioning
     from flowgrpo_cli.models.sd3 import SD3Adapter
+    from flowgrpo_cli.stages import rollout
     from flowgrpo_cli.store.rundir import StageWriter
     from flowgrpo_cli.store.trajectory import ArrowPartWriter
 

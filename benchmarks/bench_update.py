@@ -73,9 +73,8 @@ class BareLoop:
     """LoRA forward + backward (+ reference forward) on rows held in memory."""
 
     def __init__(self, config, run_dir, policy):
-        from flowgrpo_cli.stages.update import optimizer_batches
-
         from flowgrpo_cli.models import Conditioning
+        from flowgrpo_cli.stages.update import optimizer_batches
         from flowgrpo_cli.store.rundir import read_manifest
         from flowgrpo_cli.store.trajectory import from_record_batch, read_conditioning, read_table
 
@@ -137,7 +136,6 @@ class BareLoop:
 
 def run(ctx: Context, report: Report, shared: dict) -> None:
     from flowgrpo_cli.stages import score, update
-
     from flowgrpo_cli.training.trainer import Trainer
 
     config, run_dir, policy = shared["config"], shared["run"], shared["policy"]
@@ -243,13 +241,13 @@ def _toggle(ctx: Context, report: Report, policy, update_timings) -> None:
 
 def _profiled() -> SectionTimers:
     from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
-    from flowgrpo_cli.stages import update
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     import flowgrpo_cli.algorithm.sde as sde
     import flowgrpo_cli.launch.stage as stage_skeleton
     from flowgrpo_cli.algorithm.loss import LossMetrics
     from flowgrpo_cli.models.sd3 import SD3Adapter
+    from flowgrpo_cli.stages import update
     from flowgrpo_cli.store.rundir import StageWriter
     from flowgrpo_cli.training.trainer import Trainer
 

@@ -386,7 +386,6 @@ def make_run(root: Path, model: Path, *overrides: str):
     """(Config, RunDir) of a prepared tiny SD3 run at `root`, as tests/conftest.py's make_run
     builds one: config.toml written as the CLI's first command would, then `prepare`."""
     from flowgrpo_cli.stages import prepare
-
     from flowgrpo_cli.store.config import dumps_config, load_config
     from flowgrpo_cli.store.rundir import RunDir
 

@@ -40,11 +40,11 @@ def measure(workdir: Path) -> dict[str, float]:
     import numpy as np
     import pyarrow as pa
     import torch
-    from flowgrpo_cli.stages import prepare, rollout, score
 
     from flowgrpo_cli.engines import build_engine
     from flowgrpo_cli.models import to_png
     from flowgrpo_cli.models.tiny import build_tiny_pipeline
+    from flowgrpo_cli.stages import prepare, rollout, score
     from flowgrpo_cli.store.config import dumps_config, load_config
     from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir
     from flowgrpo_cli.store.trajectory import open_part

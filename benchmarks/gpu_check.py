@@ -396,10 +396,9 @@ def _run_config(model: Path, sizes: Sizes, device: str) -> list[str]:
 def run_check(
     workdir: Path, *, smoke: bool, device: torch.device, log: Callable[[str], None]
 ) -> dict[str, Any]:
-    from flowgrpo_cli.stages import rollout, score, update
-
     import flowgrpo_cli.loop as loop_module
     from flowgrpo_cli.loop import run_loop
+    from flowgrpo_cli.stages import rollout, score, update
     from flowgrpo_cli.store.metrics_log import read_log
     from flowgrpo_cli.store.runconfig import resolve_run
 

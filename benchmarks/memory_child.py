@@ -63,8 +63,8 @@ class PeakSampler(threading.Thread):
 def main(run_root: str) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
-    from flowgrpo_cli.stages import update
 
+    from flowgrpo_cli.stages import update
     from flowgrpo_cli.store.config import load_config
     from flowgrpo_cli.store.rundir import RunDir
     from flowgrpo_cli.training.policy import load_policy

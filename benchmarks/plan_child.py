@@ -24,12 +24,12 @@ from pathlib import Path
 def main(run_root: str) -> None:
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
-    from flowgrpo_cli.stages import rollout, score, update
 
     from benchmarks.memory_child import PeakSampler, _reset_peak, _status
     from flowgrpo_cli.engines import build_engine
     from flowgrpo_cli.planning import plan_run
     from flowgrpo_cli.rewards.commands import build_rewards_from_config
+    from flowgrpo_cli.stages import rollout, score, update
     from flowgrpo_cli.store.config import load_config
     from flowgrpo_cli.store.rundir import RunDir
     from flowgrpo_cli.training.policy import load_policy

@@ -74,7 +74,6 @@ def make_run(tmp_path, tiny_model_dir):
     Small on purpose: 2 prompts x 2 images, 3 steps at 64x64, so a stage takes about a second.
     """
     from flowgrpo_cli.stages import prepare
-
     from flowgrpo_cli.store.config import dumps_config, load_config
     from flowgrpo_cli.store.rundir import RunDir
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from flowgrpo_cli.stages import rollout, score, update
 
 from flowgrpo_cli.engines import build_engine
+from flowgrpo_cli.stages import rollout, score, update
 from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weights
 from flowgrpo_cli.training.trainer import Trainer

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowgrpo_cli.stages.rollout import iteration_schedule
 from helpers import do_rollout, do_score, do_update, policy_for, stored_rows
 from safetensors.torch import load_file
 
@@ -25,6 +24,7 @@ from flowgrpo_cli.algorithm.schedule import WindowMotion
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.loop import run_loop
 from flowgrpo_cli.models import Conditioning
+from flowgrpo_cli.stages.rollout import iteration_schedule
 from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.store.trajectory import STEP_COLUMNS, from_record_batch, iter_batches, open_part
 from flowgrpo_cli.training.forward_process import draw, training_guidance

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from flowgrpo_cli.stages import rollout
 from helpers import do_iteration
 
 from flowgrpo_cli.algorithm.dpm_solver import (
@@ -21,6 +20,7 @@ from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.algorithm.sde import ode_step
 from flowgrpo_cli.engines.sampling import SamplerSettings, sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.stages import rollout
 from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.rundir import ROLLOUT
 

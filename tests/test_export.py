@@ -13,12 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flowgrpo_cli.stages import rollout
 from helpers import do_iteration, policy_for
 
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.stages import rollout
 from flowgrpo_cli.store.rundir import RunLock
 from flowgrpo_cli.training.policy import EMA_FOLDER, load_weights
 

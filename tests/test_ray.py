@@ -183,7 +183,6 @@ def ray_cluster(tmp_path_factory):
 def prepared_run(ray_cluster, tiny_model_dir) -> Path:
     """A prepared run (data only) whose config scores with the test plugin: copy it."""
     from flowgrpo_cli.stages import prepare
-
     from flowgrpo_cli.store.config import dumps_config, load_config
     from flowgrpo_cli.store.rundir import RunDir
 

@@ -11,7 +11,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from flowgrpo_cli.stages import rollout
 from helpers import do_rollout, engine_for, policy_for, recompute_log_probs, rewrite_part
 from PIL import Image
 
@@ -19,6 +18,7 @@ from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import DistInfo
+from flowgrpo_cli.stages import rollout
 from flowgrpo_cli.store.rundir import ROLLOUT, StageWriter, read_manifest
 from flowgrpo_cli.store.trajectory import from_record_batch, iter_batches, read_conditioning
 

@@ -163,11 +163,10 @@ def _eval_images(run: RunDir, iteration: int) -> dict[str, bytes]:
 
 def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, bytes]:
     """What the diffusers engine draws for the evaluation of `iteration`: noise level 0."""
-    from flowgrpo_cli.stages.evaluate import evaluation_requests
-
     from flowgrpo_cli.algorithm.schedule import build_step_schedule
     from flowgrpo_cli.engines.sampling import SamplerSettings
     from flowgrpo_cli.models import to_png
+    from flowgrpo_cli.stages.evaluate import evaluation_requests
 
     policy = _policy_at(config, run, iteration)
     engine = DiffusersEngine(
@@ -212,7 +211,6 @@ def _resampled_by_diffusers(looped, iteration: int, weights_of: int):
     """(stored rows, the diffusers engine's re-sampling of the same requests) per record batch,
     with the weights iteration `weights_of` starts from."""
     from flowgrpo_cli.stages.rollout import build_requests, sampler_settings
-
     from flowgrpo_cli.store.trajectory import from_record_batch, iter_batches
 
     config, run = looped.config, looped.run
