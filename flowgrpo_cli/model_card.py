@@ -108,6 +108,7 @@ class BaseModelInfo:
     @classmethod
     def read(cls, path: str) -> BaseModelInfo:
         from flowgrpo_cli.models import family_of
+        from flowgrpo_cli.planning.architectures import latent_channels, vae_scale_factor
 
         folder = Path(path).expanduser()
         local = folder.exists()
@@ -128,14 +129,9 @@ class BaseModelInfo:
             family = None
         transformer = json_file("transformer/config.json")
         vae = json_file("vae/config.json")
-        channels = transformer.get("in_channels")
-        if isinstance(channels, int) and family in ("flux", "qwenimage"):
-            channels //= 4  # the transformer takes 2x2 patches of the latent channels
-        factor = None
-        if family == "qwenimage" and isinstance(vae.get("temperal_downsample"), list):
-            factor = 2 ** len(vae["temperal_downsample"])
-        elif family in ("sd3", "flux") and isinstance(vae.get("block_out_channels"), list):
-            factor = 2 ** (len(vae["block_out_channels"]) - 1)
+        known = family is not None and isinstance(transformer.get("in_channels"), int)
+        channels = latent_channels(family, transformer) if known else None
+        factor = vae_scale_factor(vae) if family is not None else None
         scheduler = json_file("scheduler/scheduler_config.json").get("_class_name")
         readme = _base_file(folder if local else None, path, "README.md")
         license = _front_matter_license(readme) if readme else {}
@@ -147,7 +143,7 @@ class BaseModelInfo:
             local=local,
             family=family,
             guidance_embeds=None if embeds is None else bool(embeds),
-            latent_channels=channels if isinstance(channels, int) else None,
+            latent_channels=channels,
             vae_scale_factor=factor,
             scheduler=scheduler if isinstance(scheduler, str) else None,
             license=license,

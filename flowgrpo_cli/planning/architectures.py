@@ -114,9 +114,7 @@ class Architecture:
         return bool(self.transformer_config.get("guidance_embeds", False))
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        channels = int(self.transformer_config["in_channels"])
-        if self.family != "sd3":
-            channels //= 4  # FLUX / Qwen-Image take 2x2-packed latents
+        channels = latent_channels(self.family, self.transformer_config)
         factor = self.vae_scale_factor
         return (channels, height // factor, width // factor)
 
@@ -149,6 +147,22 @@ class Architecture:
             trained = [p for p in module.parameters() if p.requires_grad]
             self._lora[key] = (sum(p.numel() for p in trained), len(trained))
         return self._lora[key]
+
+
+def latent_channels(family: str, transformer_config: dict[str, Any]) -> int:
+    """Latent channels from the transformer's config.json: FLUX and Qwen-Image take 2x2-packed
+    latents, so their `in_channels` is four times the VAE's."""
+    channels = int(transformer_config["in_channels"])
+    return channels if family == "sd3" else channels // 4
+
+
+def vae_scale_factor(vae_config: dict[str, Any]) -> int | None:
+    """The VAE's downscale factor from its config.json; None when it says nothing of it."""
+    if isinstance(vae_config.get("temperal_downsample"), list):  # AutoencoderKLQwenImage
+        return 2 ** len(vae_config["temperal_downsample"])
+    if isinstance(vae_config.get("block_out_channels"), list):
+        return 2 ** (len(vae_config["block_out_channels"]) - 1)
+    return None
 
 
 def known_architectures() -> dict[str, dict[str, Any]]:
@@ -276,11 +290,7 @@ def build(
         components[component] = _count(component, class_name, module, library)
     transformer = modules["transformer"]
     blocks, largest, inside = _blocks(family, transformer)
-    vae = configs.get("vae", {})
-    if "temperal_downsample" in vae:  # AutoencoderKLQwenImage
-        scale = 2 ** len(vae["temperal_downsample"])
-    else:
-        scale = 2 ** (len(vae.get("block_out_channels", [0, 0, 0, 0])) - 1)
+    scale = vae_scale_factor(configs.get("vae", {})) or 8  # diffusers' default VAE: 4 levels
     widths = {
         n: int(
             c.get("hidden_size")
