@@ -106,9 +106,7 @@ def run_loop(
             barrier()
             if info.is_main:
                 apply_retention(run, *_retention(config))
-                # The update verified this iteration's parts moments ago, in this process:
-                # hashing its latents again for the grid would cost seconds an iteration.
-                lines = write_logs(run, iteration + 1, verify=False)
+                lines = write_logs(run, iteration + 1)
                 latest = next(line for line in lines if line["iteration"] == iteration)
                 track(trackers, run, latest)
                 seconds = time.perf_counter() - started
@@ -183,31 +181,29 @@ def _eval_due(config: Config, iteration: int, iterations: int) -> bool:
     return bool(every) and (iteration % every == 0 or iteration == iterations)
 
 
-def write_logs(run: RunDir, last_iteration: int, *, verify: bool = True) -> list[dict]:
+def write_logs(run: RunDir, last_iteration: int) -> list[dict]:
     """Rewrite metrics.jsonl up to `last_iteration` and write the sample grids missing for the
-    iterations before it; returns the log's lines. `verify`: check the parts a grid is made
-    from against their manifests first (see write_iteration_grid).
+    iterations before it; returns the log's lines.
 
     Both are derived from the stage folders, so writing them after each iteration and again on
     every start loses nothing to a kill at any point between.
     """
     for iteration in range(last_iteration):
         if not run.samples_path(iteration).is_file():
-            write_iteration_grid(run, iteration, verify=verify)
+            write_iteration_grid(run, iteration)
     return rebuild(run, last_iteration)
 
 
-def write_iteration_grid(run: RunDir, iteration: int, *, verify: bool = True) -> None:
+def write_iteration_grid(run: RunDir, iteration: int) -> None:
     """samples/iter-N.png: the first images of the first groups, with their rewards.
 
-    With `verify`, the rollout and score parts are checked against their manifests first (a
-    grid is rebuilt from them on every start); a sample without a score is named, not a
-    KeyError."""
+    The rollout and score parts are checked against their manifests first (a grid is rebuilt
+    from them on every start; right after the update that read them, the check is a stat, see
+    rundir.verify_part); a sample without a score is named, not a KeyError."""
     rollout_dir = run.stage_dir(iteration, ROLLOUT)
     scores_dir = run.stage_dir(iteration, SCORE)
-    if verify:
-        verify_stage(rollout_dir)
-        verify_stage(scores_dir)
+    verify_stage(rollout_dir)
+    verify_stage(scores_dir)
     trajectory_parts = RolloutManifest.read(rollout_dir).trajectory_parts
     score_parts = [scores_dir / p for p in ScoreManifest.read(scores_dir).parts]
     rewards = read_table(score_parts, ["sample_id", "reward"]).to_pydict()
