@@ -249,6 +249,8 @@ def _profiled() -> SectionTimers:
     from flowgrpo_cli.models.sd3 import SD3Adapter
     from flowgrpo_cli.stages import update
     from flowgrpo_cli.store.rundir import StageWriter
+    from flowgrpo_cli.training import samples
+    from flowgrpo_cli.training.algorithms import flow_grpo
     from flowgrpo_cli.training.trainer import Trainer
 
     def forward_label(*args, **kwargs) -> str:
@@ -262,12 +264,12 @@ def _profiled() -> SectionTimers:
     timers = SectionTimers()
     for owner, name, label in (
         (update, "load_iteration", "load scores, advantages, locate rows"),
-        (update, "read_conditioning", "read conditioning part"),
-        (update.StoredSamples, "rows", "read micro-batch rows (mmap, take, copy)"),
-        (update.StoredSamples, "conditioning_of", "conditioning cat per micro-batch"),
+        (samples, "read_conditioning", "read conditioning part"),
+        (samples.StoredSamples, "rows", "read micro-batch rows (mmap, take, copy)"),
+        (samples.StoredSamples, "conditioning_of", "conditioning cat per micro-batch"),
         (SD3Transformer2DModel, "forward", forward_label),
         (SD3Adapter, "velocity", "velocity: CFG batching + guidance"),
-        (update, "policy_loss", "policy loss (ratio, clip, KL)"),
+        (flow_grpo, "policy_loss", "policy loss (ratio, clip, KL)"),
         (torch.Tensor, "backward", "backward"),
         (BaseTunerLayer, "enable_adapters", "adapter disable / enable"),
         (LossMetrics, "add", "loss metrics"),

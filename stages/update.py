@@ -1,11 +1,13 @@
-"""`flowgrpo update`: rollout + scores -> advantages, a clipped policy-gradient step, a checkpoint.
+"""`flowgrpo update`: rollout + scores -> advantages, the algorithm's optimizer steps, a checkpoint.
 
 Reads the iteration's rewards (small columns only), computes group-relative advantages over
 the whole iteration, then trains: inner epochs over shuffled samples, each epoch split into
-`train.steps_per_epoch` optimizer steps; every optimizer step accumulates gradients over the
-trained denoising steps of its samples, streamed micro-batch by micro-batch from the
-memory-mapped rollout parts. Each rank takes every world_size-th sample of an optimizer batch;
-a rank with fewer samples runs zero-weighted micro-batches so FSDP's collectives stay aligned.
+`train.steps_per_epoch` optimizer steps; every optimizer step accumulates the gradients the
+algorithm's `backward` computes (training/algorithms: Flow-GRPO's clipped ratio over trained
+steps, nft's or awm's loss over re-noised latents) on its samples, streamed micro-batch by
+micro-batch from the memory-mapped rollout parts. Each rank takes every world_size-th sample
+of an optimizer batch; a rank with fewer samples runs zero-weighted micro-batches so FSDP's
+collectives stay aligned.
 
 Write order, for crash safety: checkpoint files, then advantages.arrow, metrics.json and the
 update manifest, then the checkpoint's manifest, which is what marks the iteration done.
@@ -16,23 +18,17 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
-from flowgrpo_cli.algorithm.grpo_guard import normalized_log_ratio, step_weight
-from flowgrpo_cli.algorithm.loss import LossMetrics, kl_std, policy_loss
-from flowgrpo_cli.algorithm.registry import spec
-from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, StepOutput
+from flowgrpo_cli.algorithm.loss import LossMetrics
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info
 from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
-from flowgrpo_cli.models import Conditioning, ModelAdapter
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest, ScoreManifest
@@ -51,15 +47,14 @@ from flowgrpo_cli.store.rundir import (
 )
 from flowgrpo_cli.store.seeding import derive_seed
 from flowgrpo_cli.store.trajectory import (
-    TrajectoryRows,
-    from_record_batch,
     open_part,
-    read_conditioning,
     read_table,
     write_table,
 )
-from flowgrpo_cli.training import forward_process
+from flowgrpo_cli.training.algorithms import algorithm_for
+from flowgrpo_cli.training.algorithms.base import MicroBatch, UpdateContext
 from flowgrpo_cli.training.policy import checkpoint_version
+from flowgrpo_cli.training.samples import StoredSamples
 from flowgrpo_cli.training.trainer import Trainer
 
 ADVANTAGES = "advantages.arrow"
@@ -166,81 +161,13 @@ def load_iteration(
 
 def _locate(parts, wanted: set[str]) -> list[tuple[int, int, int]]:
     """(part, record batch, row) of every wanted sample, in part order."""
-    out = []
+    out: list[tuple[int, int, int]] = []
     for p, path in enumerate(parts):
         reader = open_part(path)
         for b in range(reader.num_record_batches):
             ids = reader.get_batch(b).column("sample_id").to_pylist()
             out.extend((p, b, r) for r, sid in enumerate(ids) if sid in wanted)
     return out
-
-
-class StoredSamples:
-    """The samples an update trains on, read micro-batch by micro-batch from the memory-mapped
-    rollout parts, with the text conditioning rollout stored once per group."""
-
-    def __init__(self, rollout_dir: Path, data: IterationData):
-        rollout = data.rollout
-        self.folder = rollout_dir
-        self.readers = [open_part(rollout_dir / name) for name in rollout.trajectory_parts]
-        self.conditioning = read_conditioning(
-            [rollout_dir / name for name in rollout.conditioning_parts]
-        )
-        self.locations = data.locations
-
-    def rows(self, indices: list[int]) -> TrajectoryRows:
-        """The rows of `indices`, in that order."""
-        by_batch: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-        for position, index in enumerate(indices):
-            part, batch, row = self.locations[index]
-            by_batch[(part, batch)].append((position, row))
-        pieces, positions = [], []
-        for (part, batch), entries in by_batch.items():
-            record = self.readers[part].get_batch(batch)
-            pieces.append(record.take(pa.array([row for _, row in entries])))
-            positions.extend(position for position, _ in entries)
-        merged = pa.Table.from_batches(pieces).combine_chunks()
-        # Grouping by record batch reordered the rows; put them back in the order asked for.
-        in_order = merged.take(pa.array(np.argsort(positions)))
-        return from_record_batch(in_order.to_batches()[0])
-
-    def conditioning_of(self, rows: TrajectoryRows, device: torch.device) -> Conditioning:
-        return Conditioning.cat(
-            [
-                Conditioning({k: v.unsqueeze(0) for k, v in self.conditioning[g].items()})
-                for g in rows.group_ids
-            ]
-        ).to(device)
-
-
-def stored_step(
-    adapter: ModelAdapter,
-    rollout: RolloutManifest,
-    rows: TrajectoryRows,
-    position: int,
-    cond: Conditioning,
-    device: torch.device,
-) -> StepOutput:
-    """Trajectory step `position` of `rows` recomputed under the adapter's current weights:
-    the velocity, then the step rollout took, scoring the stored next latent (log-prob, mean).
-
-    The one velocity-plus-step of the update: its policy pass, its reference pass (called
-    inside the trainer's reference context) and the old-log-prob recompute all come here, with
-    the sampler settings and sigmas the rollout manifest recorded.
-    """
-    sampler = rollout.sampler
-    x = rows.latents[:, position].to(device)  # [B, ...]
-    sigma = rows.timesteps[:, position].to(device)  # [B]
-    v = adapter.velocity(x, sigma, cond, guidance_scale=sampler.guidance_scale)
-    return STEP_FUNCTIONS[sampler.kind](
-        x,
-        v,
-        sigma,
-        rows.timesteps_next[:, position].to(device),
-        noise_level=sampler.noise_level,
-        sigma_max_substitute=rollout.sigma_max_substitute,
-        next_latents=rows.latents[:, position + 1].to(device),
-    )
 
 
 def optimizer_batches(
@@ -263,13 +190,11 @@ def run(
     info = dist_info()
     rollout_dir, scores_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
     update_dir, checkpoint_dir = run.stage_dir(iteration, UPDATE), run.checkpoint_dir(iteration)
-    if read_manifest(checkpoint_dir) is not None and read_manifest(update_dir) is not None:
-        return StageResult(read_manifest(update_dir), read_metrics(update_dir), fresh=False)
-    if config.algorithm.train_cfg and spec(config.algorithm.name).needs_trajectory:
-        raise FlowGrpoError(
-            f"algorithm.train_cfg is for nft and awm; {config.algorithm.name} already trains "
-            "the sampler's own steps, guidance included: leave it false"
-        )
+    if read_manifest(checkpoint_dir) is not None:
+        done = read_manifest(update_dir)
+        if done is not None:
+            return StageResult(done, read_metrics(update_dir), fresh=False)
+    algorithm_for(config).check()
     policy = trainer.policy
     if "pruned" in require_manifest(rollout_dir, ROLLOUT.command):
         raise FlowGrpoError(
@@ -295,8 +220,8 @@ def run(
         data = load_iteration(config, run, iteration, trainer.sampling_version())
         loaded.append(data)
         started = time.perf_counter()
-        metrics = _train(config, iteration, trainer, data, StoredSamples(rollout_dir, data),
-                         progress)  # fmt: skip
+        samples = StoredSamples(rollout_dir, data.rollout, data.locations)
+        metrics = _train(config, iteration, trainer, data, samples, progress)
         if trainer.anchor is not None:  # after the iteration's steps, as the references do
             metrics["update/anchor_decay"] = trainer.update_anchor()
         seconds = time.perf_counter() - started
@@ -353,42 +278,23 @@ def _train(
     progress.start(
         f"update iter {iteration}", total=sum(len(m) for *_, m in plan), unit="micro-batches"
     )
-    algorithm = spec(config.algorithm.name)
-    policy_gradient = algorithm.needs_trajectory
-    old_log_probs = (
-        _recompute_old_logprobs(config, trainer, data, samples)
-        if policy_gradient and config.algorithm.recompute_old_logprobs
-        else None
-    )
+    context = UpdateContext(config, iteration, trainer, data.rollout, samples,
+                            len(data.sample_ids))  # fmt: skip
+    algorithm = algorithm_for(config)
+    algorithm.begin_update(context)
     losses = LossMetrics(algorithm.folds)
     step_metrics: list[dict[str, float]] = []
-    gap: torch.Tensor | None = None
     trainer.policy.transformer.train()
     for epoch, batch_size, micro_batches in plan:
         for indices in micro_batches:
-            if policy_gradient:
-                micro_gap = _backward_micro_batch(
-                    config, trainer, data, samples, indices, batch_size, old_log_probs, losses
-                )
-                if gap is None:  # the first micro-batch, before any optimizer step
-                    gap = micro_gap
-            else:
-                _backward_forward_process(
-                    config, iteration, epoch, trainer, data, samples, indices, batch_size, losses
-                )
+            batch = _micro_batch(trainer, data, samples, indices, batch_size, epoch)
+            algorithm.backward(context, batch, losses if batch.real else None)
             progress.advance(1)
         step_metrics.append(trainer.step())
     progress.finish()
     trainer.policy.transformer.eval()
     losses.all_reduce()
-    metrics = losses.summary()
-    if policy_gradient:
-        # The KL's name says which divisor it has (the two differ by 1/|dt| for the SDE).
-        metrics[f"update/kl_{config.algorithm.kl_convention}"] = metrics.pop("update/kl")
-        metrics["update/logprob_gap_max"] = float(gap.max())
-        metrics["update/logprob_gap_mean"] = float(gap.mean())
-    else:  # a mean squared velocity difference, not a divergence of step distributions
-        metrics["update/kl_velocity"] = metrics.pop("update/kl")
+    metrics = algorithm.update_metrics(context, losses.summary())
     metrics.update({
         "update/grad_norm": float(np.mean([m["grad_norm"] for m in step_metrics])),
         "update/grad_norm_max": float(np.max([m["grad_norm"] for m in step_metrics])),
@@ -399,122 +305,30 @@ def _train(
     return metrics
 
 
-def _backward_forward_process(
-    config: Config,
-    iteration: int,
+def _micro_batch(
+    trainer: Trainer,
+    data: IterationData,
+    samples: StoredSamples,
+    indices: list[int],
+    batch_size: int,
     epoch: int,
-    trainer: Trainer,
-    data: IterationData,
-    samples: StoredSamples,
-    indices: list[int],
-    batch_size: int,
-    losses: LossMetrics,
-) -> None:
-    """nft / awm: one micro-batch, weighted as _backward_micro_batch weights its samples."""
-    policy = trainer.policy
+) -> MicroBatch:
+    """This rank's samples `indices` of an optimizer step of `batch_size`, read from the
+    rollout parts; none: a zero-weighted stand-in that keeps collectives aligned."""
+    device = trainer.policy.device
     real = bool(indices)
-    indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
+    indices = indices or [0]
     rows = samples.rows(indices)
-    forward_process.backward_micro_batch(
-        config, trainer, data.rollout, rows, samples.conditioning_of(rows, policy.device),
-        data.advantages[indices].to(policy.device), iteration=iteration, epoch=epoch,
-        weight=len(indices) * dist_info().world_size / batch_size if real else 0.0,
-        losses=losses if real else None,
-    )  # fmt: skip
-
-
-def _backward_micro_batch(
-    config: Config,
-    trainer: Trainer,
-    data: IterationData,
-    samples: StoredSamples,
-    indices: list[int],
-    batch_size: int,
-    old_log_probs: dict[tuple[int, int], torch.Tensor] | None,
-    losses: LossMetrics,
-) -> torch.Tensor:
-    """Accumulate the gradient of one micro-batch's loss over its trained steps, weighted so
-    that an optimizer step's gradient is the mean over its samples and steps (over every
-    rank). Returns |new - stored log-prob| of its steps: the on-policy gap before a step."""
-    policy, beta = trainer.policy, config.algorithm.beta
-    guard = config.algorithm.name == "grpo_guard"
-    world = dist_info().world_size
-    real = bool(indices)
-    indices = indices or [0]  # a zero-weighted stand-in keeps collectives aligned
-    rows = samples.rows(indices)
-    positions = torch.nonzero(rows.trained[0]).flatten().tolist()
-    if not positions:
-        raise FlowGrpoError(f"{samples.folder}: no trained step in the stored trajectories")
-    cond = samples.conditioning_of(rows, policy.device)
-    advantages = data.advantages[indices].to(policy.device)
-    weight = (len(indices) * world / (batch_size * len(positions))) if real else 0.0
-    gaps = []
-    for position in positions:
-        old_mean = None
-        if guard:  # the sampling weights' mean; before the graph of the trained forward exists
-            with torch.no_grad(), trainer.anchor_weights():
-                old_step = stored_step(
-                    policy.adapter, data.rollout, rows, position, cond, policy.device
-                )
-                old_mean = old_step.mean
-        out = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
-        stored = rows.log_probs[:, position].to(policy.device)
-        old = stored
-        if old_log_probs is not None:
-            old = torch.stack([old_log_probs[(i, position)] for i in indices]).to(policy.device)
-        gaps.append((out.log_prob.detach() - stored).abs())
-        ref_mean = None
-        if beta > 0:
-            with torch.no_grad(), trainer.reference_context():
-                ref = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
-                ref_mean = ref.mean
-        result = policy_loss(
-            out.log_prob,
-            old,
-            advantages,
-            clip_range=config.algorithm.clip_range,
-            beta=beta,
-            mean=out.mean if beta > 0 else None,
-            ref_mean=ref_mean,
-            std=kl_std(out, config.algorithm.kl_convention) if beta > 0 else None,
-            clipped_log_ratio=(
-                normalized_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
-                if guard
-                else None
-            ),
-            pg_scale=(
-                step_weight(rows.timesteps[:, position], rows.timesteps_next[:, position])
-                if guard
-                else 1.0
-            ),
-        )
-        (result.loss * weight).backward()
-        if real:
-            losses.add(result)
-    return torch.cat(gaps)
-
-
-@torch.no_grad()
-def _recompute_old_logprobs(
-    config: Config, trainer: Trainer, data: IterationData, samples: StoredSamples
-) -> dict[tuple[int, int], torch.Tensor]:
-    """Old log-probs under the current weights, before any step: (sample, step) -> logp.
-
-    Every rank computes them for every sample: the same forwards on every rank keep FSDP's
-    collectives aligned, and the result is small.
-    """
-    policy = trainer.policy
-    out: dict[tuple[int, int], torch.Tensor] = {}
-    micro = config.train.micro_batch_size
-    for start in range(0, len(data.sample_ids), micro):
-        indices = list(range(start, min(start + micro, len(data.sample_ids))))
-        rows = samples.rows(indices)
-        cond = samples.conditioning_of(rows, policy.device)
-        for position in torch.nonzero(rows.trained[0]).flatten().tolist():
-            step = stored_step(policy.adapter, data.rollout, rows, position, cond, policy.device)
-            for i, index in enumerate(indices):
-                out[(index, position)] = step.log_prob[i].cpu()
-    return out
+    return MicroBatch(
+        indices=indices,
+        rows=rows,
+        cond=samples.conditioning_of(rows, device),
+        advantages=data.advantages[indices].to(device),
+        batch_size=batch_size,
+        world_size=dist_info().world_size,
+        epoch=epoch,
+        real=real,
+    )
 
 
 def _plan(

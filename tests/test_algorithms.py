@@ -14,20 +14,20 @@ import torch
 from helpers import do_rollout, do_score, do_update, policy_for, stored_rows
 from safetensors.torch import load_file
 
+from flowgrpo_cli.algorithm.anchor import anchor_decay
 from flowgrpo_cli.algorithm.awm import awm_loss
 from flowgrpo_cli.algorithm.forward import awm_timestep_indices, nft_timestep_indices, noised
 from flowgrpo_cli.algorithm.grpo_guard import normalized_log_ratio, step_weight
 from flowgrpo_cli.algorithm.loss import policy_loss
 from flowgrpo_cli.algorithm.nft import nft_loss, optimality
-from flowgrpo_cli.algorithm.registry import anchor_decay
 from flowgrpo_cli.algorithm.schedule import WindowMotion
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.loop import run_loop
 from flowgrpo_cli.models import Conditioning
-from flowgrpo_cli.stages.rollout import iteration_schedule
 from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.store.trajectory import STEP_COLUMNS, from_record_batch, iter_batches, open_part
-from flowgrpo_cli.training.forward_process import draw, training_guidance
+from flowgrpo_cli.training.algorithms import algorithm_for
+from flowgrpo_cli.training.algorithms.forward_process import training_guidance
 
 ONE = (1, 1)  # a batch of one sample whose latent is a single element
 
@@ -120,18 +120,18 @@ def test_mixgrpo_exp_decay_shortens_the_stays_past_the_threshold():
 def test_mixgrpo_rollout_windows_move_with_the_iteration(make_run):
     config, _ = make_run("algorithm.name=mixgrpo", "sampler.num_steps=6",
                          "sampler.window_size=2", "sampler.window_shift_every=2")  # fmt: skip
-    windows = [iteration_schedule(config, k).stochastic_indices for k in range(10)]
+    windows = [algorithm_for(config).step_schedule(k).stochastic_indices for k in range(10)]
     # [0, num_steps - window_size - 1] = [0, 3]: the window never reaches the last step
     assert windows == [(0, 1)] * 2 + [(1, 2)] * 2 + [(2, 3)] * 2 + [(3, 4)] * 4
     decaying, _ = make_run("algorithm.name=mixgrpo", "sampler.num_steps=6",
                            "sampler.window_size=2", "sampler.window_shift_every=3",
                            "sampler.window_schedule=decay", name="decay")  # fmt: skip
-    windows = [iteration_schedule(decaying, k).stochastic_indices[0] for k in range(10)]
+    windows = [algorithm_for(decaying).step_schedule(k).stochastic_indices[0] for k in range(10)]
     # p = s / 4: stays int(3), int(2.5), int(2) (at least window_shift_every_min = 1)
     assert windows == [0, 0, 0, 1, 1, 2, 2, 3, 3, 3]
     unset, _ = make_run("algorithm.name=mixgrpo", name="unset")
     with pytest.raises(FlowGrpoError, match=r"set sampler\.window_size"):
-        iteration_schedule(unset, 0)
+        algorithm_for(unset).step_schedule(0)
 
 
 def nft_case(v: float, advantage: float, **kw):
@@ -238,7 +238,7 @@ def _fm_loss_by_hand(config, run, guided: bool) -> float:
         positive = Conditioning({k: tensors[k] for k in ("prompt_embeds", "pooled_prompt_embeds")})
         negative = Conditioning({k: tensors[f"negative_{k}"] for k in positive.tensors})
         x0 = rows.latents[i : i + 1, -1]
-        draws = draw(config, 0, 0, sid, tuple(x0.shape[1:]), config.sampler.num_steps)
+        draws = algorithm_for(config).draw(0, 0, sid, tuple(x0.shape[1:]), config.sampler.num_steps)
         for index, noise in zip(draws.indices, draws.noise, strict=True):
             t = sigmas[index].reshape(1)
             x_t = noised(x0, noise[None], t)
@@ -270,11 +270,17 @@ def test_awm_trains_the_guided_velocity_with_train_cfg(make_run, train_cfg):
 
 
 def test_train_cfg_is_refused_where_it_cannot_apply(make_run):
-    config, run = make_run("algorithm.train_cfg=true")  # flow_grpo
+    """Refused before anything is sampled, and by the update too (a rollout made before)."""
+    config, run = make_run(*FORWARD, name="made_before")
     do_rollout(config, run)
     do_score(config, run)
-    with pytest.raises(FlowGrpoError, match="train_cfg is for nft and awm; flow_grpo"):
-        do_update(config, run)
+    for name in ("flow_grpo", "grpo_guard", "mixgrpo"):
+        config, fresh = make_run(*SETTINGS.get(name, ()), f"algorithm.name={name}",
+                                 "algorithm.train_cfg=true", name=name)  # fmt: skip
+        with pytest.raises(FlowGrpoError, match=f"train_cfg is for nft and awm; {name}"):
+            do_rollout(config, fresh)
+        with pytest.raises(FlowGrpoError, match=f"train_cfg is for nft and awm; {name}"):
+            do_update(config, run)
     config, _ = make_run("algorithm.name=awm", "algorithm.train_cfg=true", name="awm")
     with pytest.raises(FlowGrpoError, match="sampled with guidance_scale 1, without CFG"):
         training_guidance(config, 1.0, guidance_embeds=False)

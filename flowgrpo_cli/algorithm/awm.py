@@ -26,34 +26,31 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo_cli.algorithm.forward import velocity_kl
+from flowgrpo_cli.algorithm.loss import LossTerms, mean_folds
 from flowgrpo_cli.errors import FlowGrpoError
 
 _HUBER_EPS = 1e-10
 
 
 @dataclass(frozen=True)
-class AwmOutput:
-    loss: torch.Tensor  # with grad
+class AwmOutput(LossTerms):
+    """loss = pg_loss + beta kl + anchor_kl kl_anchor (with grad); kl = mean((v - v_ref)^2),
+    0 without a reference (detached, as the rest)."""
+
     pg_loss: torch.Tensor  # with grad (its value is -mean A', its gradient the method's)
-    kl: torch.Tensor  # mean((v - v_ref)^2); 0 without a reference (detached, as the rest)
     kl_anchor: torch.Tensor  # mean((v - v_anchor)^2); 0 without an anchor
     fm_loss: torch.Tensor  # mean m, the plain flow-matching error
     log_prob: torch.Tensor  # mean logp
-    batch_size: int
 
 
-AWM_FOLDS: dict[str, str] = {
-    "loss": "mean",
-    "pg_loss": "mean",
-    "kl": "mean",
-    "kl_anchor": "mean",
-    "fm_loss": "mean",
-    "log_prob": "mean",
-}
+AWM_FOLDS = mean_folds(AwmOutput)
 
 
-def awm_log_prob(v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, power: float):
-    """logp [B] = -((m + eps)^p - eps^p) t / p, m = mean((v - target)^2) per sample."""
+def awm_log_prob(
+    v: torch.Tensor, target: torch.Tensor, t: torch.Tensor, power: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp [B], m [B]): logp = -((m + eps)^p - eps^p) t / p, m = mean((v - target)^2) per
+    sample."""
     m = ((v.float() - target.detach().float()) ** 2).mean(dim=tuple(range(1, v.ndim)))
     return -((m + _HUBER_EPS) ** power - _HUBER_EPS**power) * t.float() / power, m
 

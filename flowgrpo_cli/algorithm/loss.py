@@ -12,8 +12,8 @@ std_dev_t, the exact KL of one step by the step's std = std_dev_t sqrt(-dt).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -22,12 +22,20 @@ from flowgrpo_cli.errors import FlowGrpoError
 
 
 @dataclass(frozen=True)
-class LossOutput:
-    """The loss to backpropagate and the step's metrics (all scalar tensors)."""
+class LossTerms:
+    """What every algorithm's loss output holds (scalar tensors): LossMetrics folds these and
+    the fields its `folds` name; the update renames `kl` after the algorithm's convention."""
 
-    loss: torch.Tensor  # pg_loss + beta * kl, with grad
+    loss: torch.Tensor  # to backpropagate, with grad
+    kl: torch.Tensor  # 0 without a reference
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class LossOutput(LossTerms):
+    """Flow-GRPO's loss of one step (loss = pg_loss + beta * kl; kl with grad) and its metrics."""
+
     pg_loss: torch.Tensor  # with grad
-    kl: torch.Tensor  # with grad; 0 when no reference mean was given
     approx_kl: torch.Tensor  # 0.5 mean(dlogp^2), detached (as are the rest)
     clipfrac: torch.Tensor  # share of samples with |ratio - 1| > eps
     clipfrac_above: torch.Tensor  # ratio > 1 + eps
@@ -37,7 +45,6 @@ class LossOutput:
     ratio_min: torch.Tensor
     ratio_max: torch.Tensor
     log_ratio_max_abs: torch.Tensor  # on-policy gap: ~0 before the first optimizer step
-    batch_size: int
 
 
 def policy_loss(
@@ -120,7 +127,7 @@ def _kl(
                 "KL divisor: pass mean, ref_mean and std, or set beta=0"
             )
         return torch.zeros((), dtype=torch.float32, device=logp.device)
-    if not all(given):
+    if mean is None or ref_mean is None or std is None:
         raise FlowGrpoError("pass mean, ref_mean and std together (the KL needs all three)")
     if mean.shape != ref_mean.shape or mean.shape[0] != logp.numel():
         raise FlowGrpoError(
@@ -174,7 +181,16 @@ FLOW_GRPO_FOLDS: dict[str, str] = {
 # GRPO-Guard reports the ratio before its normalisation too.
 GRPO_GUARD_FOLDS: dict[str, str] = {**FLOW_GRPO_FOLDS, "raw_ratio_mean": "mean"}
 # "mean" accumulates batch-size-weighted sums, divided by the total weight in summary().
-_COMBINE = {"mean": torch.add, "min": torch.minimum, "max": torch.maximum}
+_COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "mean": torch.add,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
+
+
+def mean_folds(output: type[LossTerms]) -> dict[str, str]:
+    """The folds of a loss output whose every field is a batch-size-weighted mean."""
+    return {f.name: "mean" for f in fields(output) if f.name != "batch_size"}
 
 
 class LossMetrics:
@@ -192,7 +208,7 @@ class LossMetrics:
         self._weight = 0
         self._folded: dict[str, torch.Tensor] = {}
 
-    def add(self, out: Any) -> None:
+    def add(self, out: LossTerms) -> None:
         self._weight += out.batch_size
         for name, fold in self._folds.items():
             value = getattr(out, name).detach().float()

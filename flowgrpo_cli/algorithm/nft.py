@@ -27,29 +27,23 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo_cli.algorithm.forward import velocity_kl
+from flowgrpo_cli.algorithm.loss import LossTerms, mean_folds
 from flowgrpo_cli.errors import FlowGrpoError
 
 
 @dataclass(frozen=True)
-class NftOutput:
-    loss: torch.Tensor  # with grad
+class NftOutput(LossTerms):
+    """loss = policy_loss + beta kl (with grad); kl = mean((v - v_ref)^2), 0 without a
+    reference."""
+
     policy_loss: torch.Tensor  # with grad
-    kl: torch.Tensor  # mean((v - v_ref)^2); 0 without a reference
     loss_positive: torch.Tensor  # mean of L+ (detached, as are the rest)
     loss_negative: torch.Tensor  # mean of L-
     optimality: torch.Tensor  # mean r
-    batch_size: int
 
 
-# NftOutput field -> how LossMetrics (algorithm/loss.py) folds it over timesteps and micro-batches.
-NFT_FOLDS: dict[str, str] = {
-    "loss": "mean",
-    "policy_loss": "mean",
-    "kl": "mean",
-    "loss_positive": "mean",
-    "loss_negative": "mean",
-    "optimality": "mean",
-}
+# Every field a batch-size-weighted mean over noise levels and micro-batches (LossMetrics).
+NFT_FOLDS = mean_folds(NftOutput)
 
 
 def optimality(advantages: torch.Tensor, clip: float) -> torch.Tensor:

@@ -145,12 +145,12 @@ def plan_run(config: Config, *, iterations: int = 1000, arch: str | None = None)
 def _sampling_steps(config: Config) -> int:
     """Denoising steps a rollout image takes (fewer after the SDE window with
     sampler.post_window_compress < 1, as engines.sampling._step_sigmas draws them)."""
-    from flowgrpo_cli.stages.rollout import iteration_schedule
+    from flowgrpo_cli.training.algorithms import algorithm_for
 
     sampler = config.sampler
     if sampler.post_window_compress >= 1.0 or not sampler.window_size:
         return sampler.num_steps
-    stochastic = iteration_schedule(config, 0).stochastic
+    stochastic = algorithm_for(config).step_schedule(0).stochastic
     end = max(i for i, s in enumerate(stochastic) if s)
     remaining = sampler.num_steps - 1 - end
     if remaining < 1:
@@ -160,10 +160,8 @@ def _sampling_steps(config: Config) -> int:
 
 
 def _passes(config: Config, arch: Any, iterations: int) -> tuple[dict[str, Passes], int]:
-    from flowgrpo_cli.algorithm.registry import spec
     from flowgrpo_cli.planning.memory import cfg_layout, evaluation_prompts, train_guidance
-    from flowgrpo_cli.stages.rollout import iteration_schedule
-    from flowgrpo_cli.training.forward_process import train_timestep_count
+    from flowgrpo_cli.training.algorithms import algorithm_for
 
     algorithm = config.algorithm
     images = algorithm.group_size * algorithm.prompts_per_iteration
@@ -176,28 +174,20 @@ def _passes(config: Config, arch: Any, iterations: int) -> tuple[dict[str, Passe
     t_per_forward, t_forwards = cfg_layout(arch, train_guidance(config, arch))
     t_cfg = t_per_forward * t_forwards
     epochs = config.train.inner_epochs
-    if spec(algorithm.name).needs_trajectory:
-        trained = len(iteration_schedule(config, 0).trained_positions)
-        unit = images * trained * t_cfg * epochs
-        extra = (algorithm.beta > 0) + (algorithm.name == "grpo_guard")
-        recompute = images * trained * t_cfg if algorithm.recompute_old_logprobs else 0
-        note = f"{trained} trained step(s) per image x CFG factor {t_cfg} x {epochs} epoch(s)"
-        if algorithm.beta > 0:
-            note += ", + KL reference forward"
-        if algorithm.name == "grpo_guard":
-            note += ", + anchor forward"
-        if recompute:
-            note += f", + {recompute:,} old-log-prob forwards on every rank"
-    else:
-        trained = train_timestep_count(config, config.sampler.num_steps)
-        unit = images * trained * t_cfg * epochs
-        extra = (algorithm.name == "nft" or algorithm.anchor_kl > 0) + (algorithm.beta > 0)
-        recompute = 0
-        note = f"{trained} noise level(s) per image x CFG factor {t_cfg} x {epochs} epoch(s)"
-        if extra:
-            note += f", + {extra} no-grad forward(s) (anchor / reference) each"
+    method = algorithm_for(config)
+    trained, terms = method.trained_terms()
+    no_grad = method.no_grad_forwards()
+    recompute = 0
+    if method.needs_trajectory and algorithm.recompute_old_logprobs:
+        recompute = images * trained * t_cfg
+    unit = images * trained * t_cfg * epochs
+    note = f"{trained} {terms} per image x CFG factor {t_cfg} x {epochs} epoch(s)"
+    for forward in no_grad:
+        note += f", + {forward} forward"
+    if recompute:
+        note += f", + {recompute:,} old-log-prob forwards on every rank"
     note += "; at most: samples with advantage 0 are dropped"
-    update = Passes(images * epochs, unit * (1 + extra) + recompute, unit, note)
+    update = Passes(images * epochs, unit * (1 + len(no_grad)) + recompute, unit, note)
     e_per_forward, e_forwards = cfg_layout(arch, config.eval.guidance_scale)
     prompts, _ = evaluation_prompts(config)
     evaluate = Passes(

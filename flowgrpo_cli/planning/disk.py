@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flowgrpo_cli.algorithm.registry import spec
 from flowgrpo_cli.planning.architectures import Architecture
 from flowgrpo_cli.planning.memory import Shapes, cfg_layout, evaluation_prompts
 from flowgrpo_cli.reporting.grid import (
@@ -23,6 +22,7 @@ from flowgrpo_cli.reporting.grid import (
     LINE_HEIGHT,
 )
 from flowgrpo_cli.store.config import Config
+from flowgrpo_cli.training.algorithms import algorithm_for
 
 NPY_HEADER = 128  # np.save's header of each conditioning cell
 ROW_BYTES = 200  # a rollout row's ids, prompt and target text, Arrow offsets (estimate)
@@ -69,7 +69,7 @@ def disk_items(
     """Every kind of file a run writes: bytes per iteration and for `iterations` under
     run.keep_trajectories / run.keep_checkpoints / run.checkpoint_every; plus notes on what
     is assumed."""
-    from flowgrpo_cli.stages.rollout import iteration_schedule, latent_bytes_per_iteration
+    from flowgrpo_cli.stages.rollout import latent_bytes_per_iteration
 
     algorithm = config.algorithm
     images = algorithm.group_size * algorithm.prompts_per_iteration
@@ -85,20 +85,15 @@ def disk_items(
     )
     keep = config.run.keep_trajectories
     kept = n if keep < 0 else min(n, keep + 1)  # the kept ones and the one in progress
-    steps = (
-        sum(iteration_schedule(config, 0).stochastic)
-        if spec(algorithm.name).needs_trajectory
-        else 0
-    )
+    method = algorithm_for(config)
+    steps = sum(method.step_schedule(0).stochastic) if method.needs_trajectory else 0
     png = png_upper_bound(config.model.height, config.model.width)
     rows = images * (png + ROW_BYTES + STEP_BYTES * steps)
     rewards = len(config.reward.weights) + 1
     scores = images * (SCORE_ROW_BYTES + 8 * rewards)
     small = images * ADVANTAGE_ROW_BYTES + ITERATION_FILES
     weights, optimizer = checkpoint_bytes(config, s)
-    copies = (
-        1 + (config.train.ema_decay > 0) + (spec(algorithm.name).default_anchor_decay is not None)
-    )
+    copies = 1 + (config.train.ema_decay > 0) + (method.default_anchor_decay is not None)
     checkpoint = copies * weights + optimizer + 2_000
     from flowgrpo_cli.store.retention import kept_checkpoints
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from flowgrpo_cli.algorithm.registry import spec
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.planning.architectures import DTYPE_BYTES, Architecture, reward_model_parameters
 from flowgrpo_cli.store.config import MODEL_REWARDS, Config
+from flowgrpo_cli.training.algorithms import algorithm_for
 
 # Activation constants, in units of (tokens x transformer inner width x bytes per element),
 # measured by `python -m benchmarks.plan_constants` (its docstring says how): a dispatch mode
@@ -125,6 +126,8 @@ def shapes(config: Config, arch: Architecture) -> Shapes:
         trained_bytes = 4  # policy.load_policy keeps LoRA weights in float32
     else:
         trained = arch.components["transformer"].parameters
+        if arch.transformer_module is None:
+            raise FlowGrpoError(f"{arch.source}: built without its transformer module")
         tensors = sum(1 for _ in arch.transformer_module.parameters())
         trained_bytes = element
     return Shapes(
@@ -200,7 +203,7 @@ def stage_memory(config: Config, arch: Architecture, s: Shapes) -> dict[str, Sta
     """Peak bytes per device of rollout, update, evaluation (and score with a model
     reward), each as labelled items."""
     n = s.nproc
-    algorithm = spec(config.algorithm.name)
+    algorithm = algorithm_for(config)
     dtype = config.model.dtype
     shard = f", 1/{n} FSDP shard" if n > 1 else ""
     transformer = arch.components["transformer"]
@@ -309,7 +312,6 @@ def _sampling(
 
 
 def _rollout(config, arch, s: Shapes, base, trained: int) -> StageMemory:
-    from flowgrpo_cli.stages.rollout import iteration_schedule
 
     images = config.algorithm.group_size * config.algorithm.prompts_per_iteration
     per_rank = math.ceil(images / s.nproc)
@@ -324,9 +326,9 @@ def _rollout(config, arch, s: Shapes, base, trained: int) -> StageMemory:
             groups * s.cond_elements * negative * s.element,
         )
     )
-    if spec(config.algorithm.name).samples_with_anchor:
+    if algorithm_for(config).samples_with_anchor:
         items.append(("backup of the weights while the anchor samples", trained))
-    stochastic = sum(iteration_schedule(config, 0).stochastic)
+    stochastic = sum(algorithm_for(config).step_schedule(0).stochastic)
     items += _sampling(config, arch, s, config.sampler.guidance_scale, batch, stochastic)
     return StageMemory(items)
 
@@ -335,7 +337,7 @@ def train_guidance(config: Config, arch: Architecture) -> float:
     """The guidance scale of the update's forwards: the rollout's for the flow_grpo family;
     for nft / awm training.forward_process.training_guidance's choice (1: CFG-free)."""
     scale = config.sampler.guidance_scale
-    if spec(config.algorithm.name).needs_trajectory:
+    if algorithm_for(config).needs_trajectory:
         return scale
     if config.algorithm.train_cfg and scale > 1.0:
         return scale
@@ -343,7 +345,7 @@ def train_guidance(config: Config, arch: Architecture) -> float:
 
 
 def _update(config, arch, s: Shapes, base, trained: int) -> StageMemory:
-    algorithm = spec(config.algorithm.name)
+    algorithm = algorithm_for(config)
     images = config.algorithm.group_size * config.algorithm.prompts_per_iteration
     per_step = math.ceil(images / (config.train.steps_per_epoch * s.nproc))
     micro = min(config.train.micro_batch_size, max(per_step, 1))

@@ -19,15 +19,16 @@ import json
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from flowgrpo_cli.algorithm.registry import anchor_decay, anchor_schedule, spec
+from flowgrpo_cli.algorithm.anchor import anchor_decay
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import dist_info
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.rundir import atomic_file, atomic_write_bytes
+from flowgrpo_cli.training.algorithms import algorithm_for
 from flowgrpo_cli.training.policy import (
     ANCHOR_FOLDER,
     EMA_FOLDER,
@@ -73,9 +74,11 @@ class Trainer:
             list(self.parameters.values()), lr=train.lr, weight_decay=train.weight_decay
         )
         self.ema = self._copy_of_weights() if train.ema_decay > 0 else None
-        # nft / awm: a soft-updated copy of the weights (see algorithm.registry); nft samples
-        # with it, awm keeps the policy near it. It starts as the policy itself.
-        self.anchor_schedule = anchor_schedule(config.algorithm)
+        # A soft-updated copy of the weights (algorithm/anchor.py): nft samples with it, awm
+        # keeps the policy near it, grpo_guard's is the weights that sampled. It starts as the
+        # policy itself.
+        self.algorithm = algorithm_for(config)
+        self.anchor_schedule = self.algorithm.anchor_schedule()
         self.anchor = self._copy_of_weights() if self.anchor_schedule is not None else None
         self.anchor_version = policy.version
 
@@ -109,11 +112,13 @@ class Trainer:
 
     # -- reference forward --------------------------------------------------------------------
 
-    def reference_context(self):
+    def reference_context(self) -> contextlib.AbstractContextManager[None]:
         """Context in which the adapter's velocity is the reference's (LoRA disabled), or a
         module to call instead (full mode)."""
         if self.policy.mode == "lora":
             return self.policy.adapters_disabled()
+        if self.reference is None:  # made when algorithm.beta > 0, which callers check first
+            raise FlowGrpoError("algorithm.beta = 0 keeps no reference model")
         return _SwapTransformer(self.policy.adapter, self.reference)
 
     # -- optimizer step -----------------------------------------------------------------------
@@ -165,11 +170,11 @@ class Trainer:
         return self._swapped_in(self.ema, f"{self.policy.version}+ema")
 
     def _samples_with_anchor(self) -> bool:
-        return self.anchor is not None and spec(self.config.algorithm.name).samples_with_anchor
+        return self.anchor is not None and self.algorithm.samples_with_anchor
 
     def sampling_weights(self) -> contextlib.AbstractContextManager[None]:
         """The weights rollout samples with: the anchor for nft, else the policy's own."""
-        if not self._samples_with_anchor():
+        if self.anchor is None or not self._samples_with_anchor():
             return contextlib.nullcontext()
         return self._swapped_in(self.anchor, self.anchor_version)
 
@@ -202,7 +207,7 @@ class Trainer:
     def update_anchor(self) -> float:
         """After an iteration's update: anchor <- d anchor + (1 - d) weights, d from the
         schedule at the optimizer steps taken so far (the reference's order). Returns d."""
-        if self.anchor is None:
+        if self.anchor is None or self.anchor_schedule is None:
             return 0.0
         decay = anchor_decay(self.anchor_schedule, self.state.optimizer_steps)
         with torch.no_grad():
@@ -225,8 +230,10 @@ class Trainer:
         transformer = self.policy.transformer
         # Trainable weights only: frozen ones are dropped before the gather and the CPU copy,
         # so saving a LoRA no longer all-gathers and copies the whole base model (GBs).
-        model_state = get_model_state_dict(
-            transformer, options=replace(options, ignore_frozen_params=True)
+        # cast: a full state dict of a module holds its (gathered) tensors alone.
+        model_state = cast(
+            "dict[str, torch.Tensor]",
+            get_model_state_dict(transformer, options=replace(options, ignore_frozen_params=True)),
         )
         optimizer_state = get_optimizer_state_dict(transformer, self.optimizer, options=options)
         shadows = {
@@ -395,7 +402,7 @@ def _read_trainer_state(path: Path) -> TrainerState:
 def _blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks FSDP shards one by one (every family keeps them in ModuleLists
     named *blocks)."""
-    blocks = []
+    blocks: list[torch.nn.Module] = []
     for name, child in module.named_children():
         if isinstance(child, torch.nn.ModuleList) and name.endswith("blocks"):
             blocks.extend(child)
@@ -410,9 +417,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
     if hasattr(target, "full_tensor"):  # a DTensor shard: keep only this rank's piece
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        value = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements)
+        shard = cast(DTensor, target)  # cast: of the tensors here only a DTensor has full_tensor
+        value = distribute_tensor(value.to(target.dtype), shard.device_mesh, shard.placements)
         target.copy_(value)
     else:
         target.copy_(value.to(target.dtype))
