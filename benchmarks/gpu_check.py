@@ -586,10 +586,10 @@ def _vllm_omni_measure(workdir: Path, device: torch.device) -> dict[str, Any]:
     from flowgrpo_cli.algorithm.schedule import build_step_schedule
     from flowgrpo_cli.engines.base import SampleRequest
     from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
-    from flowgrpo_cli.engines.sampling import SamplerSettings
     from flowgrpo_cli.engines.vllm_omni import VllmOmniEngine
     from flowgrpo_cli.models.tiny import build_tiny_pipeline
     from flowgrpo_cli.store.config import load_config
+    from flowgrpo_cli.store.contract import SamplerSettings
     from flowgrpo_cli.training.policy import load_policy
 
     folder = build_tiny_pipeline("qwenimage", workdir / "qwenimage", seed=0)

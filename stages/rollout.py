@@ -14,21 +14,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import fields, replace
 
-from flowgrpo_cli.algorithm.registry import anchor_schedule, spec
-from flowgrpo_cli.algorithm.schedule import (
-    StepSchedule,
-    WindowMotion,
-    build_step_schedule,
-)
 from flowgrpo_cli.algorithm.sde import check_noise_level
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
-from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
+from flowgrpo_cli.engines.sampling import SampledBatch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import DistInfo, dist_info
 from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
-from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.contract import RolloutManifest, SamplerSettings
 from flowgrpo_cli.store.datatable import read_split
 from flowgrpo_cli.store.rundir import (
     PREPARE,
@@ -47,6 +41,7 @@ from flowgrpo_cli.store.trajectory import (
     to_record_batch,
     write_table,
 )
+from flowgrpo_cli.training.algorithms import algorithm_for
 
 
 def select_prompts(num_prompts: int, per_iteration: int, seed: int, iteration: int) -> list[int]:
@@ -61,45 +56,13 @@ def select_prompts(num_prompts: int, per_iteration: int, seed: int, iteration: i
     )
 
 
-def iteration_schedule(config: Config, iteration: int) -> StepSchedule:
-    sampler = config.sampler
-    window_range = tuple(sampler.window_range) if sampler.window_range else None
-    if spec(config.algorithm.name).progressive_window:
-        if not sampler.window_size:
-            raise FlowGrpoError(
-                'algorithm.name = "mixgrpo" slides an SDE window: set sampler.window_size '
-                "(its paper: 4 of 25 steps)"
-            )
-        lowest, highest = window_range or (0, sampler.num_steps - sampler.window_size - 1)
-        motion = WindowMotion(
-            lowest=lowest,
-            highest=max(lowest, highest),
-            shift_every=sampler.window_shift_every,
-            stride=sampler.window_stride,
-            schedule=sampler.window_schedule,
-            shift_every_min=sampler.window_shift_every_min,
-            decay_threshold=sampler.window_decay_threshold,
-            decay_rate=sampler.window_decay_rate,
-            num_steps=sampler.num_steps,
-        )
-        start = motion.start(iteration)
-        window_range = (start, start)
-    return build_step_schedule(
-        sampler.num_steps,
-        train_fraction=sampler.train_fraction,
-        train_last_step=sampler.train_last_step,
-        window_size=sampler.window_size or None,
-        window_range=window_range,
-        rng=random.Random(derive_seed(config.run.seed, iteration, "window")),
-    )
-
-
 def latent_bytes_per_iteration(config: Config, latent_shape: tuple[int, ...]) -> int:
     """What one iteration's trajectory latents take on disk (float32): every image's states
     around its stochastic steps, or its clean latent alone for nft / awm."""
     states = 1
-    if spec(config.algorithm.name).needs_trajectory:
-        states += sum(iteration_schedule(config, 0).stochastic)
+    algorithm = algorithm_for(config)
+    if algorithm.needs_trajectory:
+        states += sum(algorithm.step_schedule(0).stochastic)
     images = config.algorithm.group_size * config.algorithm.prompts_per_iteration
     return images * states * math.prod(latent_shape) * 4
 
@@ -121,7 +84,7 @@ def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
         guidance_scale=sampler.guidance_scale,
         height=config.model.height,
         width=config.model.width,
-        schedule=iteration_schedule(config, iteration),
+        schedule=algorithm_for(config).step_schedule(iteration),
         post_window_solver=sampler.post_window_solver,
         post_window_compress=sampler.post_window_compress,
     )
@@ -174,6 +137,8 @@ def run(
     """Write this rank's parts of iteration `iteration`'s rollout (skipping finished ones)."""
     progress = progress or NullProgress()
     info = dist_info()
+    algorithm = algorithm_for(config)
+    algorithm.check()  # refuses settings the algorithm would ignore, before any sampling
     require_manifest(run.data_dir, PREPARE.command)
     identity = {
         "config": config_hash(config, STAGE_SECTIONS[ROLLOUT.name]),
@@ -183,7 +148,6 @@ def run(
         "world_size": info.world_size,
     }
     writer = StageWriter(run.stage_dir(iteration, ROLLOUT), ROLLOUT.name, identity)
-    anchor_schedule(config.algorithm)  # refuses an anchor_decay the algorithm would ignore
     settings = sampler_settings(config, iteration)
     parts = [part_name(r, info.world_size) for r in range(info.world_size)]
 
@@ -198,7 +162,7 @@ def run(
         produced = _sample_part(
             writer, parts[info.rank], requests, engine, settings, config.sampler.batch_size,
             progress, label=f"rollout iter {iteration}",
-            keep_trajectory=spec(config.algorithm.name).needs_trajectory,
+            keep_trajectory=algorithm.needs_trajectory,
         )  # fmt: skip
         seconds = time.perf_counter() - started
         return {
@@ -218,14 +182,14 @@ def run(
             dtype=config.model.dtype,
             identity=identity,
         )
-        algorithm = config.algorithm
+        section = config.algorithm
         return Finished(
             metrics=metrics,
             parts=[*manifest.trajectory_parts, *manifest.conditioning_parts],
             counts={
-                "images": algorithm.prompts_per_iteration * algorithm.group_size,
-                "groups": algorithm.prompts_per_iteration,
-                "group_size": algorithm.group_size,
+                "images": section.prompts_per_iteration * section.group_size,
+                "groups": section.prompts_per_iteration,
+                "group_size": section.group_size,
             },
             extra=manifest.fields(),
         )
@@ -236,7 +200,7 @@ def run(
 def _check_final_latent(config: Config, settings: SamplerSettings) -> None:
     """nft / awm need the clean latent; vllm-omni hands back the trajectory's states only, so
     its last one is the clean latent only when the last step is stochastic (or none is)."""
-    if spec(config.algorithm.name).needs_trajectory or config.sampler.engine != "vllm-omni":
+    if algorithm_for(config).needs_trajectory or config.sampler.engine != "vllm-omni":
         return
     if settings.noise_level > 0 and not settings.schedule.stochastic[-1]:
         raise FlowGrpoError(

@@ -5,7 +5,7 @@ Each score part has one row per image: `sample_id`, one float column per reward,
 and says why in `reward_error`; `reward.on_error` then drops the sample, its whole group (the
 score stage leaves `reward` empty for every dropped sample, and the update skips those), or
 stops the stage. Groups never span parts, so the policy is applied part by part, and a re-run
-after a crash scores only the parts still missing. A `parts_scorer` (launch/ray_cluster.py: a
+after a crash scores only the parts still missing. A `parts_scorer` (ray_cluster.py: a
 pool of Ray tasks apart from the training ranks) may score the missing parts instead of the
 ranks: it calls `score_part` for each, wherever it runs.
 """

@@ -18,10 +18,10 @@ from flowgrpo_cli.algorithm.dpm_solver import (
 )
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.algorithm.sde import ode_step
-from flowgrpo_cli.engines.sampling import SamplerSettings, sample_batch
+from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.stages import rollout
-from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.contract import RolloutManifest, SamplerSettings
 from flowgrpo_cli.store.rundir import ROLLOUT
 
 

@@ -28,7 +28,8 @@ from typer.testing import CliRunner
 
 from flowgrpo_cli.cli import app
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rewards import RemoteOptions, RewardBatch, build_rewards
+from flowgrpo_cli.rewards import RewardBatch, build_rewards
+from flowgrpo_cli.store.config import RemoteRewardSection, RewardSection
 
 runner = CliRunner()
 
@@ -315,9 +316,9 @@ def _gray_batch(count: int = 2) -> RewardBatch:
 )
 def test_hostile_replies_are_errors_naming_the_url(reply_server, body, message):
     _Reply.body = body
-    options = RemoteOptions(url=reply_server, max_retries=0)
+    settings = RewardSection(remote=RemoteRewardSection(url=reply_server, max_retries=0))
     with (
-        build_rewards({"remote": 1.0}, remote=options) as rewards,
+        build_rewards({"remote": 1.0}, settings) as rewards,
         pytest.raises(FlowGrpoError) as caught,
     ):
         rewards.score(_gray_batch())
@@ -341,9 +342,12 @@ def test_bad_remote_urls_are_config_errors(tmp_path, url):
     _one_line_error(result, "reward.remote.url")
 
 
+BAD_URL = "http://127.0.0.1:abc"
+
+
 def test_bad_remote_url_is_refused_when_the_reward_is_built():
     with pytest.raises(FlowGrpoError, match=r"reward\.remote\.url"):
-        RemoteOptions(url="http://127.0.0.1:abc")
+        build_rewards({"remote": 1.0}, RewardSection(remote=RemoteRewardSection(url=BAD_URL)))
 
 
 def test_remote_deadline_bounds_a_batch():
@@ -352,9 +356,9 @@ def test_remote_deadline_bounds_a_batch():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{sock.getsockname()[1]}/score"  # bound, not listening
-        options = RemoteOptions(url=dead, max_retries=1000, backoff_s=0.05, deadline_s=0.2)
+        remote = RemoteRewardSection(url=dead, max_retries=1000, backoff_s=0.05, deadline_s=0.2)
         with (
-            build_rewards({"remote": 1.0}, remote=options) as rewards,
+            build_rewards({"remote": 1.0}, RewardSection(remote=remote)) as rewards,
             pytest.raises(FlowGrpoError) as caught,
         ):
             rewards.score(_gray_batch())
@@ -494,7 +498,7 @@ def test_a_column_of_scores_is_flattened(hostile_plugins):
 
 
 def test_a_hanging_plugin_times_out(hostile_plugins):
-    rewards = build_rewards({"rw_hostile:sleeps": 1.0}, plugin_timeout_s=0.5)
+    rewards = build_rewards({"rw_hostile:sleeps": 1.0}, RewardSection(plugin_timeout_s=0.5))
     with rewards, pytest.raises(FlowGrpoError) as caught:
         rewards.score(_gray_batch())
     assert "'rw_hostile:sleeps'" in str(caught.value) and "plugin_timeout_s" in str(caught.value)

@@ -1,4 +1,4 @@
-"""The Ray backend (launch/ray_cluster.py) on a local Ray cluster this module starts and stops.
+"""The Ray backend (ray_cluster.py) on a local Ray cluster this module starts and stops.
 
 One cluster for the whole module: 2 CPUs, its temp dir, HOME and token inside the module's tmp
 folder, a fresh auth token in the environment (nothing under ~/.ray). The commands run as
@@ -354,7 +354,7 @@ def test_a_rank_error_names_the_rank_and_a_dead_worker_says_so():
     from ray.exceptions import ActorDiedError
     from ray.train import WorkerGroupError
 
-    from flowgrpo_cli.launch.ray_cluster import describe_failure
+    from flowgrpo_cli.ray_cluster import describe_failure
 
     same = FlowGrpoError("data/train.parquet: missing")
     text = describe_failure(WorkerGroupError("snippets", {0: same, 1: same}))
@@ -366,7 +366,7 @@ def test_a_rank_error_names_the_rank_and_a_dead_worker_says_so():
 
 
 def test_a_launch_the_cluster_cannot_hold_is_refused():
-    from flowgrpo_cli.launch.ray_cluster import _check_resources
+    from flowgrpo_cli.ray_cluster import _check_resources
 
     class FakeRay:
         @staticmethod

@@ -17,8 +17,9 @@ import pytest
 from PIL import Image
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rewards import RemoteOptions, RewardBatch, build_rewards
+from flowgrpo_cli.rewards import RewardBatch, build_rewards
 from flowgrpo_cli.rewards.rewardset import ScoreResult
+from flowgrpo_cli.store.config import ClipScoreSection, RemoteRewardSection, RewardSection
 
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
@@ -75,7 +76,8 @@ def _get(url: str, path: str) -> dict:
 
 
 def remote(url: str, **options):
-    return build_rewards({"remote": 1.0}, remote=RemoteOptions(url=url, **options))
+    settings = RewardSection(remote=RemoteRewardSection(url=url, **options))
+    return build_rewards({"remote": 1.0}, settings)
 
 
 def test_served_scores_equal_the_in_process_rewards(server, monkeypatch):
@@ -181,7 +183,6 @@ def _parent(pid: str) -> int | None:
 def test_a_model_reward_is_served_with_the_settings_of_a_config(tmp_path):
     """`serve-reward -c`: the config's [reward.clipscore] model, served; equal scores."""
     from flowgrpo_cli.models.tiny import build_tiny_clip
-    from flowgrpo_cli.rewards.options import ModelRewardOptions, ModelSource
 
     clip = build_tiny_clip(tmp_path / "clip")
     config = tmp_path / "rewards.toml"
@@ -197,8 +198,8 @@ def test_a_model_reward_is_served_with_the_settings_of_a_config(tmp_path):
         line = process.stdout.readline()
         assert "serving clipscore" in line, line + process.stderr.read()
         url = line.split(" at ")[-1].strip()
-        models = ModelRewardOptions(device="cpu", clipscore=ModelSource(str(clip)))
-        with build_rewards({"clipscore": 1.0}, models=models) as local:
+        settings = RewardSection(device="cpu", clipscore=ClipScoreSection(model=str(clip)))
+        with build_rewards({"clipscore": 1.0}, settings) as local:
             expected = local.score(batch()).reward
         with remote(url) as rewards:
             assert rewards.score(batch()).reward == pytest.approx(expected, abs=1e-6)

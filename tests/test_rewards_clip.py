@@ -15,9 +15,16 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models.tiny import build_tiny_clip, save_tiny_aesthetic_head
 from flowgrpo_cli.rewards import RewardBatch, build_rewards
 from flowgrpo_cli.rewards.clip import ClipModel, load_aesthetic_head
-from flowgrpo_cli.rewards.options import ModelRewardOptions, ModelSource
 from flowgrpo_cli.rewards.registry import reward_needs
-from flowgrpo_cli.store.config import STAGE_SECTIONS, config_hash, load_config
+from flowgrpo_cli.store.config import (
+    STAGE_SECTIONS,
+    AestheticSection,
+    ClipScoreSection,
+    PickScoreSection,
+    RewardSection,
+    config_hash,
+    load_config,
+)
 
 EMBEDDING = 16  # the tiny CLIP's projection width
 
@@ -30,13 +37,15 @@ def models(tmp_path_factory):
     return root
 
 
-def options(models, **changes) -> ModelRewardOptions:
-    clip = ModelSource(str(models / "clip"))
+def options(models, **changes) -> RewardSection:
+    """The [reward] table of the tiny models on the CPU, with `changes` on top."""
+    clip = str(models / "clip")
     settings = dict(
-        device="cpu", pickscore=clip, pickscore_processor=clip, clipscore=clip, aesthetic=clip,
-        aesthetic_head=ModelSource(str(models / "head")),
+        device="cpu", pickscore=PickScoreSection(model=clip, processor=clip),
+        clipscore=ClipScoreSection(model=clip),
+        aesthetic=AestheticSection(model=clip, head=str(models / "head")),
     )  # fmt: skip
-    return ModelRewardOptions(**{**settings, **changes})
+    return RewardSection(**{**settings, **changes})
 
 
 def batch(count: int = 5) -> RewardBatch:
@@ -50,7 +59,7 @@ def batch(count: int = 5) -> RewardBatch:
 
 
 def scores(models, names, **changes) -> dict[str, list[float]]:
-    with build_rewards(dict.fromkeys(names, 1.0), models=options(models, **changes)) as rewards:
+    with build_rewards(dict.fromkeys(names, 1.0), options(models, **changes)) as rewards:
         return rewards.score(batch()).columns
 
 
@@ -60,7 +69,7 @@ def test_values_from_given_embeddings_by_hand(models, monkeypatch):
     texts = torch.tensor([[0.6, 0.8], [1.0, 0.0], [-1.0, 0.0]])
     monkeypatch.setattr(ClipModel, "image_embeddings", lambda self, _: images)
     monkeypatch.setattr(ClipModel, "text_embeddings", lambda self, _: texts)
-    with build_rewards({"clipscore": 1.0, "pickscore": 1.0}, models=options(models)) as rewards:
+    with build_rewards({"clipscore": 1.0, "pickscore": 1.0}, options(models)) as rewards:
         pick = rewards._rewards[1]
         with torch.no_grad():
             pick.clip.model.logit_scale.fill_(math.log(52.0))  # exp(scale) / 26 = 2
@@ -102,7 +111,7 @@ def test_aesthetic_is_the_head_on_the_unit_image_embedding(models):
         x = x / x.norm(dim=-1, keepdim=True)
         for index in (0, 2, 4, 6, 7):  # the Linear layers; no activations between them
             x = x @ state[f"layers.{index}.weight"].T + state[f"layers.{index}.bias"]
-    with build_rewards({"aesthetic": 1.0}, models=options(models)) as rewards:
+    with build_rewards({"aesthetic": 1.0}, options(models)) as rewards:
         got = rewards.score(data).columns["aesthetic"]
     assert got == pytest.approx(x.squeeze(-1).tolist(), abs=1e-5)
 
@@ -119,7 +128,7 @@ def test_batches_give_the_one_by_one_scores(models):
 def test_dtypes(models):
     full = scores(models, ["clipscore"], dtype="float32")["clipscore"]
     assert scores(models, ["clipscore"], dtype="auto")["clipscore"] == full  # CPU: float32
-    with build_rewards({"clipscore": 1.0}, models=options(models, dtype="bfloat16")) as rewards:
+    with build_rewards({"clipscore": 1.0}, options(models, dtype="bfloat16")) as rewards:
         assert rewards._rewards[0].clip.model.dtype == torch.bfloat16
         assert rewards.info["clipscore"]["dtype"] == "bfloat16"
         half = rewards.score(batch()).columns["clipscore"]
@@ -150,31 +159,32 @@ def test_a_hub_id_is_read_at_the_commit_its_revision_names(models, tmp_path, mon
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
-    hub = ModelSource("tiny-org/clip")
-    with build_rewards({"clipscore": 1.0}, models=options(models, clipscore=hub)) as rewards:
+    hub = ClipScoreSection(model="tiny-org/clip")
+    with build_rewards({"clipscore": 1.0}, options(models, clipscore=hub)) as rewards:
         assert rewards.info["clipscore"]["model"] == f"tiny-org/clip@{commit}"
         from_hub = rewards.score(batch()).columns["clipscore"]
     assert from_hub == scores(models, ["clipscore"])["clipscore"]
 
     with pytest.raises(FlowGrpoError, match=r"\[reward.clipscore\] model = 'tiny-org/gone'.*"
                        r"not downloaded yet"):  # fmt: skip
-        build_rewards(
-            {"clipscore": 1.0}, models=options(models, clipscore=ModelSource("tiny-org/gone"))
-        )
+        gone = ClipScoreSection(model="tiny-org/gone")
+        build_rewards({"clipscore": 1.0}, options(models, clipscore=gone))
 
 
 def test_bad_model_sources_are_clear_errors(models, tmp_path):
     (tmp_path / "empty").mkdir()
-    empty = ModelSource(str(tmp_path / "empty"))
+    empty, clip = str(tmp_path / "empty"), str(models / "clip")
+    pickscore = PickScoreSection(model=empty, processor=clip)
     with pytest.raises(FlowGrpoError, match=r"\[reward.pickscore\] model = .*empty'.*no config"):
-        build_rewards({"pickscore": 1.0}, models=options(models, pickscore=empty))
+        build_rewards({"pickscore": 1.0}, options(models, pickscore=pickscore))
+    aesthetic = AestheticSection(model=clip, head=empty)
     with pytest.raises(FlowGrpoError, match=r"\[reward.aesthetic\] head = .*no aesthetic-model"):
-        build_rewards({"aesthetic": 1.0}, models=options(models, aesthetic_head=empty))
+        build_rewards({"aesthetic": 1.0}, options(models, aesthetic=aesthetic))
     wrong = save_tiny_aesthetic_head(tmp_path / "wide.pth", EMBEDDING * 2)
     with pytest.raises(FlowGrpoError, match=r"not an aesthetic predictor for 16-dimensional"):
         load_aesthetic_head(wrong, EMBEDDING)
-    with pytest.raises(FlowGrpoError, match=r"\[reward\] dtype = 'half'"):
-        ModelRewardOptions(dtype="half")
+    with pytest.raises(FlowGrpoError, match=r"`reward\.dtype` = 'half' is not one of 'auto'"):
+        RewardSection(dtype="half")
 
 
 def test_the_config_sets_the_models_and_counts_only_weighted_ones(models, tmp_path):

@@ -11,6 +11,7 @@ from benchmarks.ocr_images import ocr_throughput, render_text_images
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards import RewardBatch, build_rewards, ocr
 from flowgrpo_cli.rewards.ocr import OcrReward, normalize, ocr_distance, ocr_score
+from flowgrpo_cli.store.config import RewardSection
 
 DEJAVU_SERIF_BOLD = Path("/usr/share/fonts/truetype/dejavu/DejaVuSerif-Bold.ttf")
 
@@ -152,7 +153,7 @@ def test_worker_pool_matches_in_process_one_engine_per_worker_and_a_dead_worker_
         [render(text, size=44) for text in texts],
         ground_truths=["hello world"] * 2 + ["open 24 hours", "coffee shop"],
     )
-    with build_rewards({"ocr": 1.0}, ocr_workers=2) as rewards:
+    with build_rewards({"ocr": 1.0}, RewardSection(ocr_workers=2)) as rewards:
         result = rewards.score(batch)
         pool = rewards._rewards[0]._pool
         engines_built = {pool.submit(engine_builds).result() for _ in range(6)}

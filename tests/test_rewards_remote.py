@@ -15,8 +15,9 @@ import pytest
 from PIL import Image, ImageStat
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rewards import RemoteOptions, RewardBatch, build_rewards
+from flowgrpo_cli.rewards import RewardBatch, build_rewards
 from flowgrpo_cli.rewards.remote import RemoteReward
+from flowgrpo_cli.store.config import RemoteRewardSection, RewardSection, load_config
 
 
 @dataclass
@@ -101,7 +102,7 @@ def batch(count: int) -> RewardBatch:
 
 def remote(url: str, **options: Any) -> RemoteReward:
     options = {"timeout_s": 2.0, "max_retries": 2, "backoff_s": 0.01, **options}
-    return RemoteReward(RemoteOptions(url=url, **options))
+    return RemoteReward(RemoteRewardSection(url=url, **options))
 
 
 def test_scores_come_back_in_order_across_batches(server):
@@ -117,7 +118,8 @@ def test_scores_come_back_in_order_across_batches(server):
 
 def test_through_build_rewards_and_the_weighted_total(server):
     url, _ = server
-    with build_rewards({"remote": 0.5}, remote=RemoteOptions(url=url)) as rewards:
+    settings = RewardSection(remote=RemoteRewardSection(url=url))
+    with build_rewards({"remote": 0.5}, settings) as rewards:
         result = rewards.score(batch(2))
     assert result.columns["remote"] == pytest.approx([0.0, 0.2])
     assert result.reward == pytest.approx([0.0, 0.1])
@@ -235,16 +237,20 @@ def test_no_server_is_retried_then_a_clear_error():
     ("options", "message"),
     [
         ({"url": "localhost:8000/score"}, "expected an http:// or https:// URL"),
-        ({"url": "http://x", "timeout_s": 0}, "timeout_s = 0: must be > 0"),
-        ({"url": "http://x", "max_retries": -1}, "max_retries = -1: must be >= 0"),
-        ({"url": "http://x", "batch_size": 0}, "batch_size = 0: must be >= 1"),
-        ({"url": "http://x", "backoff_s": -1.0}, "backoff_s = -1.0: must be >= 0"),
-        ({"url": "http://x", "max_reply_mb": 0}, "max_reply_mb = 0: must be > 0"),
+        ({"url": "http://x", "timeout_s": 0}, "timeout_s` = 0 must be > 0"),
+        ({"url": "http://x", "max_retries": -1}, "max_retries` = -1 must be >= 0"),
+        ({"url": "http://x", "batch_size": 0}, "batch_size` = 0 must be >= 1"),
+        ({"url": "http://x", "backoff_s": -1.0}, "backoff_s` = -1.0 must be >= 0"),
+        ({"url": "http://x", "max_reply_mb": 0}, "max_reply_mb` = 0 must be > 0"),
     ],
 )
 def test_bad_options(options, message):
     with pytest.raises(FlowGrpoError, match=message):
-        RemoteOptions(**options)
+        RemoteRewardSection(**options)
+    # The config's own check, in the same words, with where the value was set.
+    overrides = [f"reward.remote.{key}={json.dumps(value)}" for key, value in options.items()]
+    with pytest.raises(FlowGrpoError, match=rf"--set reward\.remote\..*{message}"):
+        load_config(None, overrides)
 
 
 def test_remote_without_a_url_is_a_config_error():

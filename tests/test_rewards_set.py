@@ -14,7 +14,6 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards import (
     REWARD_NAMES,
     ImageScore,
-    RemoteOptions,
     RewardBatch,
     ScoreResult,
     build_rewards,
@@ -23,7 +22,7 @@ from flowgrpo_cli.rewards import (
     score_image_files,
 )
 from flowgrpo_cli.rewards.jpeg import jpeg_size_kb
-from flowgrpo_cli.store.config import RewardSection, load_config
+from flowgrpo_cli.store.config import RemoteRewardSection, RewardSection, load_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +64,7 @@ def test_build_from_the_config_reward_table(tmp_path):
     with build_rewards_from_config(load_config(path, []).reward) as rewards:
         assert rewards.names == ("jpeg_compressibility", "remote")
         assert rewards.weights == {"jpeg_compressibility": 0.2, "remote": 0.5}
-        assert rewards._rewards[1].options == RemoteOptions(
+        assert rewards._rewards[1].options == RemoteRewardSection(
             url="http://127.0.0.1:9/score", timeout_s=7.5, max_retries=3, batch_size=4
         )
     # No url: `remote` is named without a server.

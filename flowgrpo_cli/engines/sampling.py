@@ -13,23 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from flowgrpo_cli.algorithm.dpm_solver import compressed_sigmas, data_prediction, dpm_solver_pp_step
-from flowgrpo_cli.algorithm.schedule import StepSchedule
 from flowgrpo_cli.algorithm.sde import STEP_FUNCTIONS, ode_step
 from flowgrpo_cli.models import Conditioning, ModelAdapter
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    kind: str  # a key of STEP_FUNCTIONS
-    noise_level: float  # 0: every step is the Euler ODE step
-    guidance_scale: float
-    height: int
-    width: int
-    schedule: StepSchedule
-    # The ODE steps after the SDE window (MixGRPO-Flash; sampler.post_window_solver and
-    # post_window_compress): their solver ("euler" or "dpm++2m") and the share of them taken.
-    post_window_solver: str = "euler"
-    post_window_compress: float = 1.0
+from flowgrpo_cli.store.contract import SamplerSettings
 
 
 @dataclass(frozen=True)
@@ -66,8 +52,12 @@ def sample_batch(
     step_sigmas = _step_sigmas(adapter, settings, window_end, sigmas)
     dpm = settings.post_window_solver == "dpm++2m"
     batch = len(seeds)
-    states, log_probs, sigma_now, sigma_next = [], [], [], []
-    previous = None  # the data prediction of the step before, for DPM-Solver++ (2M)
+    states: list[torch.Tensor] = []
+    log_probs: list[torch.Tensor] = []
+    sigma_now: list[float] = []
+    sigma_next: list[float] = []
+    # the data prediction of the step before, for DPM-Solver++ (2M)
+    previous: tuple[torch.Tensor, float] | None = None
     for i in range(len(step_sigmas) - 1):
         sigma, following = step_sigmas[i], step_sigmas[i + 1]
         # Per-sample float32 sigmas, exactly the values the update reads back from the store.
@@ -92,11 +82,11 @@ def sample_batch(
             sigma_now.append(sigma)
             sigma_next.append(following)
             x = out.next_latents
-        elif dpm and i > window_end:  # after the window, as MixGRPO-Flash
+        elif prediction is not None and i > window_end:  # dpm: after the window, as MixGRPO-Flash
             x = dpm_solver_pp_step(x, prediction, sigma, following, previous)
         else:
             x = ode_step(x, v, sigma_batch, following_batch).next_latents
-        previous = (prediction, sigma) if dpm else None
+        previous = (prediction, sigma) if prediction is not None else None
     if not states:  # no stochastic step: store the final latent alone
         states.append(x)
     steps = len(log_probs)

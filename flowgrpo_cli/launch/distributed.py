@@ -4,7 +4,7 @@ One process per device. `--nproc N` re-runs the same command under torch.distrib
 launcher (the elastic agent behind torchrun), which sets RANK / WORLD_SIZE / MASTER_ADDR for
 each child; the parent
 only waits. `--ray-address` runs the same command in Ray Train workers instead
-(launch/ray_cluster.py), where Ray Train has set those variables and initialised the process group.
+(ray_cluster.py), where Ray Train has set those variables and initialised the process group.
 Ranks use gloo on CPU and NCCL on GPU. Nothing here schedules work: every rank runs the same
 code on its own slice.
 """
@@ -22,7 +22,7 @@ import torch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.rank_errors import ERROR_DIR_ENV, LOCAL_RANK_ENV, read_rank_errors
 
-# Set in each Ray Train worker (launch/ray_cluster.py): this process is a rank, even of a world
+# Set in each Ray Train worker (ray_cluster.py): this process is a rank, even of a world
 # of one.
 RAY_RANK_ENV = "FLOWGRPO_RAY_RANK"
 

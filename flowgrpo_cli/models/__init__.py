@@ -18,6 +18,7 @@ import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.hub_errors import hub_error_message
+from flowgrpo_cli.loading import quiet_loading
 from flowgrpo_cli.models.base import Conditioning, ModelAdapter, to_pil, to_png
 
 __all__ = [
@@ -79,7 +80,7 @@ def load_adapter(
 
     from diffusers import DiffusionPipeline
 
-    _quiet_loading()
+    quiet_loading()
     try:
         pipeline = DiffusionPipeline.from_pretrained(pretrained, dtype=dtype)
     except (OSError, ValueError) as err:
@@ -92,18 +93,6 @@ def load_adapter(
     module_name, class_name = FAMILIES[family][pipeline_class].split(":")
     adapter_class = getattr(importlib.import_module(module_name), class_name)
     return adapter_class(pipeline)
-
-
-def _quiet_loading() -> None:
-    """Loading (and saving) prints per-component progress bars and warnings (a torchvision
-    fallback, CLIP prompts cut at 77 tokens, as the pipelines do) that drown our own progress:
-    errors only."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    for library in (diffusers_logging, transformers_logging):
-        library.set_verbosity_error()
-        library.disable_progress_bar()
 
 
 def _read_local_index(folder: Path) -> dict[str, Any]:

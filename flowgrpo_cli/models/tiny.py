@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
+
+if TYPE_CHECKING:
+    from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 # SD3: the scheduler's static shift of SD3.5. FLUX / Qwen-Image: resolution-dependent shift, with
 # the values of their released scheduler configs (Qwen-Image also stretches to a terminal sigma).
@@ -143,7 +147,8 @@ _DECODER_OUTPUT_GAIN = 16.0
 
 
 def _autoencoder_kl(*, scaling_factor: float, shift_factor: float):
-    from diffusers import AutoencoderKL
+    # From its module: mypy reads `from diffusers import AutoencoderKL` as diffusers' dummy class.
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
 
     # Four levels: the 8x spatial compression of the real SD3 / FLUX VAEs.
     vae = AutoencoderKL(
@@ -312,7 +317,7 @@ def _build_qwenimage():
     )
 
 
-_BUILDERS: dict[str, Callable[[], object]] = {
+_BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "sd3": lambda: _build_sd3(sd35=False),
     "sd35": lambda: _build_sd3(sd35=True),
     "flux": lambda: _build_flux(guidance_embeds=True),
@@ -334,9 +339,9 @@ def build_tiny_pipeline(family: str, out_dir: Path, *, seed: int = 0) -> Path:
         raise FlowGrpoError(
             f"Unknown tiny model family {family!r}; choose one of: {', '.join(TINY_FAMILIES)}."
         )
-    from flowgrpo_cli.models import _quiet_loading
+    from flowgrpo_cli.loading import quiet_loading
 
-    _quiet_loading()  # no torchvision fallback warnings, no "Writing model shards" bars
+    quiet_loading()  # no torchvision fallback warnings, no "Writing model shards" bars
     # Random init draws from the global generator: seed it, and restore the caller's state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -352,9 +357,9 @@ def build_tiny_clip(out_dir: Path, *, seed: int = 0, projection_dim: int = 16) -
     (config, safetensors, processor and tokenizer files): what the CLIP rewards load."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from flowgrpo_cli.models import _quiet_loading
+    from flowgrpo_cli.loading import quiet_loading
 
-    _quiet_loading()
+    quiet_loading()
     tokenizer = char_clip_tokenizer()
     text = _clip_config(projection_dim=projection_dim).to_dict()
     text["vocab_size"] = len(tokenizer)

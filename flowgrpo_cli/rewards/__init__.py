@@ -20,7 +20,6 @@ from flowgrpo_cli.rewards.on_error import (
     apply_error_policy,
     summarize_errors,
 )
-from flowgrpo_cli.rewards.options import RemoteOptions
 from flowgrpo_cli.rewards.registry import REWARD_NAMES
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
 
@@ -31,7 +30,6 @@ __all__ = [
     "ErrorSummary",
     "ImageScore",
     "Need",
-    "RemoteOptions",
     "Reward",
     "RewardBatch",
     "RewardOutput",

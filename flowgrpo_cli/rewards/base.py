@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from numbers import Real
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, SupportsFloat, cast
 
 from PIL import Image
 
@@ -88,7 +88,8 @@ class ImageScore:
         # `__float__` lets 0-d tensors through.
         if isinstance(raw, bool) or not (isinstance(raw, Real) or hasattr(type(raw), "__float__")):
             return cls.failed(f"returned {_clip(repr(raw))}, not a number")
-        value = float(raw)
+        # cast: the check above found `__float__` on raw's type, which hasattr cannot narrow.
+        value = float(cast(SupportsFloat, raw))
         if not math.isfinite(value):
             return cls.failed(f"returned {value}")
         return cls(value=value)

@@ -25,7 +25,7 @@ from PIL import Image
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import ImageScore, Need, RewardBatch, RewardOutput
 from flowgrpo_cli.rewards.hub import ResolvedSource, resolve_file, resolve_folder
-from flowgrpo_cli.rewards.options import ModelRewardOptions, ModelSource, RewardOptions
+from flowgrpo_cli.store.config import RewardSection
 
 if TYPE_CHECKING:
     import torch
@@ -39,12 +39,14 @@ AESTHETIC_WIDTHS = (1024, 128, 64, 16, 1)
 AESTHETIC_DROPOUTS = (0.2, 0.2, 0.1)
 
 
-class ClipModel:
-    """A CLIPModel and its processor on one device, embedding images and texts in batches."""
+Source = tuple[str, str]  # a config table's model (a folder or hub id) and its revision
 
-    def __init__(
-        self, source: ModelSource, processor: ModelSource, options: ModelRewardOptions, key: str
-    ) -> None:
+
+class ClipModel:
+    """A CLIPModel and its processor on one device, embedding images and texts in batches;
+    `options` is the config's [reward] table (device, dtype, batch_size)."""
+
+    def __init__(self, source: Source, processor: Source, options: RewardSection, key: str) -> None:
         import torch
         from transformers import AutoProcessor, CLIPModel
 
@@ -54,11 +56,11 @@ class ClipModel:
         if options.dtype == "auto":
             self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
         else:
-            self.dtype = getattr(torch, options.dtype)  # a name ModelRewardOptions checked
+            self.dtype = getattr(torch, options.dtype)  # a name the config's Literal checked
         self.batch_size = options.batch_size
-        self.model_source = resolve_folder(source, "config.json", f"[{key}] model")
+        self.model_source = resolve_folder(*source, "config.json", f"[{key}] model")
         self.processor_source = (
-            resolve_folder(processor, "preprocessor_config.json", f"[{key}] processor")
+            resolve_folder(*processor, "preprocessor_config.json", f"[{key}] processor")
             if processor != source
             else self.model_source
         )
@@ -120,9 +122,9 @@ def _normalized(embeddings: torch.Tensor) -> torch.Tensor:
 
 
 def _from_pretrained(cls: Any, source: ResolvedSource, **kwargs: Any) -> Any:
-    from flowgrpo_cli.models import _quiet_loading
+    from flowgrpo_cli.loading import quiet_loading
 
-    _quiet_loading()  # transformers' torchvision fallback warning, its progress bars
+    quiet_loading()  # transformers' torchvision fallback warning, its progress bars
     try:
         return cls.from_pretrained(source.location, revision=source.commit or "main", **kwargs)
     except OSError as err:  # a folder or repository without the files this class reads
@@ -157,10 +159,10 @@ class PickScoreReward(_ClipReward):
     name = "pickscore"
     needs: frozenset[Need] = frozenset({"images", "prompts"})
 
-    def __init__(self, options: ModelRewardOptions) -> None:
-        self.clip = ClipModel(
-            options.pickscore, options.pickscore_processor, options, "reward.pickscore"
-        )
+    def __init__(self, options: RewardSection) -> None:
+        pick = options.pickscore
+        source, processor = (pick.model, pick.revision), (pick.processor, pick.processor_revision)
+        self.clip = ClipModel(source, processor, options, "reward.pickscore")
 
     def _values(self, batch: RewardBatch) -> torch.Tensor:
         assert batch.prompts is not None  # RewardSet checks `needs`
@@ -172,8 +174,9 @@ class ClipScoreReward(_ClipReward):
     name = "clipscore"
     needs: frozenset[Need] = frozenset({"images", "prompts"})
 
-    def __init__(self, options: ModelRewardOptions) -> None:
-        self.clip = ClipModel(options.clipscore, options.clipscore, options, "reward.clipscore")
+    def __init__(self, options: RewardSection) -> None:
+        source = (options.clipscore.model, options.clipscore.revision)
+        self.clip = ClipModel(source, source, options, "reward.clipscore")
 
     def _values(self, batch: RewardBatch) -> torch.Tensor:
         assert batch.prompts is not None
@@ -189,10 +192,12 @@ class AestheticReward(_ClipReward):
     name = "aesthetic"
     needs: frozenset[Need] = frozenset({"images"})
 
-    def __init__(self, options: ModelRewardOptions) -> None:
-        self.clip = ClipModel(options.aesthetic, options.aesthetic, options, "reward.aesthetic")
+    def __init__(self, options: RewardSection) -> None:
+        table = options.aesthetic
+        source = (table.model, table.revision)
+        self.clip = ClipModel(source, source, options, "reward.aesthetic")
         path, self._head_record = resolve_file(
-            options.aesthetic_head, options.aesthetic_head_file, "[reward.aesthetic] head"
+            table.head, table.head_revision, table.head_file, "[reward.aesthetic] head"
         )
         self.head = load_aesthetic_head(path, self.clip.model.config.projection_dim)
 
@@ -237,13 +242,13 @@ def load_aesthetic_head(path: Any, embedding_dim: int) -> torch.nn.Sequential:
     return head.requires_grad_(False)
 
 
-def build_pickscore(options: RewardOptions) -> PickScoreReward:
-    return PickScoreReward(options.models)
+def build_pickscore(section: RewardSection) -> PickScoreReward:
+    return PickScoreReward(section)
 
 
-def build_clipscore(options: RewardOptions) -> ClipScoreReward:
-    return ClipScoreReward(options.models)
+def build_clipscore(section: RewardSection) -> ClipScoreReward:
+    return ClipScoreReward(section)
 
 
-def build_aesthetic(options: RewardOptions) -> AestheticReward:
-    return AestheticReward(options.models)
+def build_aesthetic(section: RewardSection) -> AestheticReward:
+    return AestheticReward(section)

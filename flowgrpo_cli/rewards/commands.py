@@ -21,7 +21,6 @@ from flowgrpo_cli.rewards.on_error import (
     check_on_error,
     summarize_errors,
 )
-from flowgrpo_cli.rewards.options import ModelRewardOptions, ModelSource, RemoteOptions
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
 from flowgrpo_cli.store.prompts import extract_target
 
@@ -30,45 +29,10 @@ if TYPE_CHECKING:
 
 
 def build_rewards_from_config(section: RewardSection) -> RewardSet:
-    """build_rewards with the config's [reward] table; [reward.remote] counts once its url
-    is set."""
-    remote = section.remote
-    options = (
-        RemoteOptions(
-            url=remote.url,
-            timeout_s=remote.timeout_s,
-            max_retries=remote.max_retries,
-            batch_size=remote.batch_size,
-            max_reply_mb=remote.max_reply_mb,
-            deadline_s=remote.deadline_s,
-        )
-        if remote.url
-        else None
-    )
+    """build_rewards with the config's [reward] table, its plugin folders searched first;
+    [reward.remote] counts once its url is set."""
     add_plugin_dirs(section.plugin_dirs)
-    return build_rewards(
-        section.weights,
-        ocr_workers=section.ocr_workers,
-        remote=options,
-        models=model_reward_options(section),
-        plugin_timeout_s=section.plugin_timeout_s,
-    )
-
-
-def model_reward_options(section: RewardSection) -> ModelRewardOptions:
-    """The config's settings of the model rewards (device, dtype, batch and each model)."""
-    pick, clip, aesthetic = section.pickscore, section.clipscore, section.aesthetic
-    return ModelRewardOptions(
-        device=section.device,
-        dtype=section.dtype,
-        batch_size=section.batch_size,
-        pickscore=ModelSource(pick.model, pick.revision),
-        pickscore_processor=ModelSource(pick.processor, pick.processor_revision),
-        clipscore=ModelSource(clip.model, clip.revision),
-        aesthetic=ModelSource(aesthetic.model, aesthetic.revision),
-        aesthetic_head=ModelSource(aesthetic.head, aesthetic.head_revision),
-        aesthetic_head_file=aesthetic.head_file,
-    )
+    return build_rewards(section.weights, section)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ A hub revision (a branch such as `main`, a tag or a commit) is resolved to its c
 through a small file of the repository, and everything else is then read at that commit: the
 run records which weights scored it, and a push to the branch mid-run cannot mix two versions.
 Resolving goes through huggingface_hub's cache, so it also works offline once the files are
-there (HF_HUB_OFFLINE=1).
+there (HF_HUB_OFFLINE=1). A source is a config key's value and its revision's: `model` (a
+folder, a file or a hub id) and `revision` (ignored for a folder or a file).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from pathlib import Path
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.hub_errors import hub_error_message
-from flowgrpo_cli.rewards.options import ModelSource
 
 
 @dataclass(frozen=True)
@@ -30,36 +30,36 @@ class ResolvedSource:
         return f"{self.location}@{self.commit}" if self.commit else self.location
 
 
-def resolve_folder(source: ModelSource, probe: str, key: str) -> ResolvedSource:
+def resolve_folder(model: str, revision: str, probe: str, key: str) -> ResolvedSource:
     """A model folder (`probe`, e.g. config.json, must be in it) or a hub repository.
 
     `key` names the config key the source came from, for error messages.
     """
-    folder = Path(source.model).expanduser()
+    folder = Path(model).expanduser()
     if folder.is_dir():
         if not (folder / probe).is_file():
-            raise FlowGrpoError(f"{key} = {source.model!r}: the folder has no {probe}")
+            raise FlowGrpoError(f"{key} = {model!r}: the folder has no {probe}")
         return ResolvedSource(str(folder.resolve()), None)
-    _, commit = _download(source, probe, key)
-    return ResolvedSource(source.model, commit)
+    _, commit = _download(model, revision, probe, key)
+    return ResolvedSource(model, commit)
 
 
-def resolve_file(source: ModelSource, filename: str, key: str) -> tuple[Path, str]:
-    """A weights file: `source.model` is the file itself, a folder holding `filename`, or a
-    hub repository holding it. Returns the local path and what the manifest records."""
-    given = Path(source.model).expanduser()
+def resolve_file(model: str, revision: str, filename: str, key: str) -> tuple[Path, str]:
+    """A weights file: `model` is the file itself, a folder holding `filename`, or a hub
+    repository holding it. Returns the local path and what the manifest records."""
+    given = Path(model).expanduser()
     if given.is_file():
         return given.resolve(), str(given.resolve())
     if given.is_dir():
         path = given / filename
         if not path.is_file():
-            raise FlowGrpoError(f"{key} = {source.model!r}: the folder has no {filename}")
+            raise FlowGrpoError(f"{key} = {model!r}: the folder has no {filename}")
         return path.resolve(), str(path.resolve())
-    path, commit = _download(source, filename, key)
-    return path, f"{source.model}@{commit}/{filename}"
+    path, commit = _download(model, revision, filename, key)
+    return path, f"{model}@{commit}/{filename}"
 
 
-def _download(source: ModelSource, filename: str, key: str) -> tuple[Path, str]:
+def _download(model: str, revision: str, filename: str, key: str) -> tuple[Path, str]:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -69,18 +69,16 @@ def _download(source: ModelSource, filename: str, key: str) -> tuple[Path, str]:
         RevisionNotFoundError,
     )
 
-    where = f"{key} = {source.model!r}"
+    where = f"{key} = {model!r}"
     try:
-        path = Path(hf_hub_download(source.model, filename, revision=source.revision))
+        path = Path(hf_hub_download(model, filename, revision=revision))
     except HFValidationError:
         raise FlowGrpoError(f"{where}: no such folder, and not a valid hub id") from None
     except RevisionNotFoundError:
-        raise FlowGrpoError(
-            f"{where}: the repository has no revision {source.revision!r}"
-        ) from None
+        raise FlowGrpoError(f"{where}: the repository has no revision {revision!r}") from None
     except (RepositoryNotFoundError, LocalEntryNotFoundError) as err:
         # LocalEntryNotFoundError subclasses EntryNotFoundError: caught before it
-        raise FlowGrpoError(f"{where}: {hub_error_message(err, source.model)}") from None
+        raise FlowGrpoError(f"{where}: {hub_error_message(err, model)}") from None
     except EntryNotFoundError:
         raise FlowGrpoError(f"{where}: the repository has no {filename}") from None
     # The cache keeps every file under snapshots/<commit>/<filename>.

@@ -21,7 +21,7 @@ from flowgrpo_cli.rewards.base import (
 )
 
 if TYPE_CHECKING:
-    from flowgrpo_cli.rewards.options import RewardOptions
+    from flowgrpo_cli.store.config import RewardSection
 
 QUALITY = 95
 KB_PER_UNIT = 500.0
@@ -59,9 +59,9 @@ class JpegReward:
         """Nothing to release."""
 
 
-def build_compressibility(options: RewardOptions) -> JpegReward:
+def build_compressibility(section: RewardSection) -> JpegReward:
     return JpegReward("jpeg_compressibility", sign=-1.0)
 
 
-def build_incompressibility(options: RewardOptions) -> JpegReward:
+def build_incompressibility(section: RewardSection) -> JpegReward:
     return JpegReward("jpeg_incompressibility", sign=1.0)

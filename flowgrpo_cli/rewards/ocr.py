@@ -32,7 +32,7 @@ from flowgrpo_cli.rewards.base import (
 from flowgrpo_cli.store.prompts import NO_TARGET
 
 if TYPE_CHECKING:
-    from flowgrpo_cli.rewards.options import RewardOptions
+    from flowgrpo_cli.store.config import RewardSection
 
 # Settings measured on a 2-core CPU when the reward was written: the defaults (min side
 # scaled up to 736, a rotation classifier, all cores per engine) were several times slower on
@@ -173,5 +173,5 @@ def _score_read(read: OcrRead, target: str | None) -> ImageScore:
         return ImageScore.failed(str(err))
 
 
-def build_ocr(options: RewardOptions) -> OcrReward:
-    return OcrReward(workers=options.ocr_workers)
+def build_ocr(section: RewardSection) -> OcrReward:
+    return OcrReward(workers=section.ocr_workers)

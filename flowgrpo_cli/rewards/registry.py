@@ -15,7 +15,7 @@ from typing import cast
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import Need, Reward
 from flowgrpo_cli.rewards.imports import import_object
-from flowgrpo_cli.rewards.options import RewardOptions
+from flowgrpo_cli.store.config import RewardSection
 
 _BUILDERS: dict[str, str] = {
     "ocr": "flowgrpo_cli.rewards.ocr:build_ocr",
@@ -29,7 +29,7 @@ _BUILDERS: dict[str, str] = {
 REWARD_NAMES = tuple(_BUILDERS)
 
 
-Builder = Callable[[RewardOptions], Reward]
+Builder = Callable[[RewardSection], Reward]  # reads what it needs of [reward]
 
 
 def resolve(name: str) -> Builder:
@@ -39,7 +39,7 @@ def resolve(name: str) -> Builder:
         from flowgrpo_cli.rewards.plugin import load_plugin
 
         plugin = load_plugin(name)
-        return lambda options: plugin.configured(options.plugin_timeout_s)
+        return lambda section: plugin.configured(section.plugin_timeout_s)
     if name not in _BUILDERS:
         close = difflib.get_close_matches(name, REWARD_NAMES, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -56,9 +56,11 @@ def reward_needs(name: str) -> frozenset[Need]:
     returns."""
     builder = resolve(name)
     if ":" in name:
-        return builder(RewardOptions()).needs
+        return builder(RewardSection()).needs
     returned = builder.__annotations__["return"]  # a name: `from __future__ import annotations`
-    reward_class = getattr(sys.modules[builder.__module__], returned, returned)
+    module = sys.modules[builder.__module__]
+    # cast: the annotation names the Reward class the builder returns, found in its module.
+    reward_class = cast("type[Reward]", getattr(module, returned, returned))
     return reward_class.needs
 
 

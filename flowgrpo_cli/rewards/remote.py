@@ -46,7 +46,7 @@ from PIL import Image
 from flowgrpo_cli import __version__, untrusted
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import ImageScore, Need, RewardBatch, RewardOutput
-from flowgrpo_cli.rewards.options import RemoteOptions, RewardOptions
+from flowgrpo_cli.store.config import RemoteRewardSection, RewardSection
 
 RETRIED_HTTP_CODES = frozenset({408, 429, 500, 502, 503, 504})
 _EXCERPT = 200
@@ -67,7 +67,7 @@ def _json_value(value: Any) -> Any:
 
 
 def encode_request(batch: RewardBatch) -> bytes:
-    payload = {
+    payload: dict[str, object] = {
         "images": [encode_png(image) for image in batch.images],
         "prompts": batch.prompts,
         "ground_truths": batch.ground_truths or [None] * len(batch),
@@ -117,7 +117,7 @@ class RemoteReward:
     needs: frozenset[Need] = frozenset({"images", "prompts"})
     parallel_safe = True  # waits on the network while the other rewards compute
 
-    def __init__(self, options: RemoteOptions) -> None:
+    def __init__(self, options: RemoteRewardSection) -> None:
         self.options = options
 
     def score(self, batch: RewardBatch) -> RewardOutput:
@@ -170,9 +170,12 @@ class RemoteReward:
         url = urllib.parse.urlsplit(self.options.url)
         kind = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
         timeout = min(self.options.timeout_s, max(left, 0.001))
+        if not url.hostname:  # refused when the section is built (url_problem); "" if unset
+            raise FlowGrpoError(f"{where}: {self.options.url!r} names no host")
         connection = kind(url.hostname, url.port, timeout=timeout)
         expired = threading.Event()
-        sockets = []  # the socket, kept here: the connection drops it once a reply is read
+        # the socket, kept here: the connection drops it once a reply is read
+        sockets: list[socket.socket] = []
 
         def expire() -> None:
             expired.set()
@@ -230,9 +233,9 @@ class RemoteReward:
         """Nothing to release: each request opens and closes its own connection."""
 
 
-def build_remote(options: RewardOptions) -> RemoteReward:
-    if options.remote is None:
+def build_remote(section: RewardSection) -> RemoteReward:
+    if not section.remote.url:
         raise FlowGrpoError(
             'reward "remote" needs a server: set [reward.remote] url = "http://host:port/score"'
         )
-    return RemoteReward(options.remote)
+    return RemoteReward(section.remote)

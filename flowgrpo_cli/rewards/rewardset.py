@@ -1,6 +1,7 @@
 """The configured rewards, scored together into one weighted total per image.
 
-    with build_rewards({"ocr": 1.0, "jpeg_compressibility": 0.2}, ocr_workers=2) as rewards:
+    settings = RewardSection(ocr_workers=2)  # the config's [reward] table
+    with build_rewards({"ocr": 1.0, "jpeg_compressibility": 0.2}, settings) as rewards:
         result = rewards.score(RewardBatch(images, prompts, ground_truths, metadata))
 
 Columns come out in the order of the weights table. The total `reward` of an image is
@@ -20,8 +21,8 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import Reward, RewardBatch, RewardOutput
-from flowgrpo_cli.rewards.options import ModelRewardOptions, RemoteOptions, RewardOptions
 from flowgrpo_cli.rewards.registry import resolve
+from flowgrpo_cli.store.config import RewardSection
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,14 @@ class RewardSet:
                 for name in self.names
                 if errors[name][index] is not None
             ]
-            total = None
+            total: float | None = None
             if not failures:
-                total = sum(self.weights[name] * columns[name][index] for name in self.names)
+                total = 0.0
+                for name in self.names:
+                    value = columns[name][index]
+                    if value is None:  # an ImageScore without an error has a value
+                        raise RuntimeError(f"reward {name!r} gave neither a score nor an error")
+                    total += self.weights[name] * value
                 if not math.isfinite(total):  # finite scores, e.g. +-1e308, can still overflow
                     failures.append(f"the weighted total overflows to {total}")
                     total = None
@@ -181,15 +187,10 @@ class RewardSet:
         self.close()
 
 
-def build_rewards(
-    weights: Mapping[str, float],
-    *,
-    ocr_workers: int = 1,
-    remote: RemoteOptions | None = None,
-    models: ModelRewardOptions | None = None,
-    plugin_timeout_s: float = 600.0,
-) -> RewardSet:
+def build_rewards(weights: Mapping[str, float], settings: RewardSection | None = None) -> RewardSet:
     """The rewards named in `weights` ([reward] weights of the config), built and ready.
+    Each builder reads its settings from `settings`, the config's [reward] table (its
+    defaults when None): OCR workers, [reward.remote], the model rewards' tables.
 
     Every name and weight is checked (and every plugin imported) before any reward is built,
     so a typo fails at once instead of after the OCR pool has started.
@@ -202,16 +203,11 @@ def build_rewards(
         if isinstance(weight, bool) or not isinstance(weight, Real) or not math.isfinite(weight):
             raise FlowGrpoError(f"[reward] weights: {name!r} = {weight!r}: must be a finite number")
     builders = {name: resolve(name) for name in weights}
-    options = RewardOptions(
-        ocr_workers=ocr_workers,
-        remote=remote,
-        models=models or ModelRewardOptions(),
-        plugin_timeout_s=plugin_timeout_s,
-    )
+    section = settings if settings is not None else RewardSection()
     built: list[Reward] = []
     try:
         for builder in builders.values():
-            built.append(builder(options))
+            built.append(builder(section))
     except BaseException:
         for reward in built:
             reward.close()

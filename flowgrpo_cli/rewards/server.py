@@ -130,7 +130,8 @@ def _decode_image(index: int, text: object, limits: Limits) -> Image.Image:
     except (TypeError, ValueError, binascii.Error):
         raise BadRequest(f"{where} is not a base64-encoded image") from None
     if data.startswith(_PNG) and len(data) >= 24:
-        _check_pixels(where, *struct.unpack(">II", data[16:24]), limits)
+        width, height = struct.unpack(">II", data[16:24])
+        _check_pixels(where, width, height, limits)
     try:
         with Image.open(io.BytesIO(data)) as image:
             _check_pixels(where, *image.size, limits)

@@ -8,6 +8,10 @@ it was set, and what is allowed (or the closest valid key for a typo).
 Fields marked ``affects_results=False`` (process counts, worker counts, devices) may differ
 between commands on the same run: they change how fast a run goes, not what it computes, so
 they are left out of the config hash that manifests record.
+
+The [reward] sections are also what the reward builders read (flowgrpo_cli.rewards): defined
+here once, with their defaults (the released reward models' ids) and checks, and checked the
+same way when code builds one (`_CheckedSection`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import os
 import re
 import tomllib
 import typing
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rewards import options as reward_defaults
 
 Check = Callable[[Any], str | None]
 
@@ -259,13 +263,58 @@ class SamplerSection:
     )
 
 
+class _CheckedSection:
+    """A section that code builds too, not only load_config: the reward builders take the
+    [reward] sections, and tests and the CLI build or replace them. Built with a value its
+    keys' checks (or a Literal's choices) refuse, it raises the FlowGrpoError a config file's
+    value gets, less the file and line."""
+
+    TABLE: ClassVar[str]  # its dotted name in the config: "reward.remote"
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        problems = []
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value, tp = getattr(self, f.name), hints[f.name]
+            if typing.get_origin(tp) is Literal:
+                problem = None if value in typing.get_args(tp) else f"is not {_type_name(tp)}"
+            else:
+                check = f.metadata.get("check")
+                problem = check(value) if check else None
+            if problem:
+                problems.append(f"`{self.TABLE}.{f.name}` = {value!r} {problem}")
+        if problems:
+            raise FlowGrpoError("; ".join(problems))
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with a `remote` reward's URL (None: nothing), found before any request:
+    an http(s) URL with a host, and a port, if given, in 1..65535."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port that is not a number or out of range
+    except ValueError as err:
+        return f"not a valid URL ({err})"
+    if parts.scheme not in ("http", "https"):
+        return "expected an http:// or https:// URL"
+    if not parts.hostname:
+        return "no host: expected e.g. http://host:8000/score"
+    if port == 0:
+        return "port 0: give the port the server listens on"
+    return None
+
+
 def _remote_url(v: str) -> str | None:
-    problem = reward_defaults.url_problem(v) if v else None  # "" : no remote reward
+    problem = url_problem(v) if v else None  # "" : no remote reward
     return f"is refused: {problem}" if problem else None
 
 
 @dataclass
-class RemoteRewardSection:
+class RemoteRewardSection(_CheckedSection):
+    """[reward.remote]: how the `remote` reward reaches its scoring server (it counts once
+    `url` is set)."""
+
+    TABLE = "reward.remote"
     url: str = _option(
         "",
         "URL the `remote` reward POSTs image batches to.",
@@ -278,6 +327,12 @@ class RemoteRewardSection:
     )
     max_retries: int = _option(
         3, "Retries after a failed request (exponential backoff).", check=_at_least(0)
+    )
+    backoff_s: float = _option(
+        1.0,
+        "Seconds before the first retry; doubled for each further one.",
+        check=_at_least(0.0),
+        affects_results=False,
     )
     batch_size: int = _option(16, "Images per request.", check=_at_least(1))
     max_reply_mb: float = _option(
@@ -297,16 +352,26 @@ class RemoteRewardSection:
 
 _HUB_REVISION = "Hub revision (branch, tag or commit) of `model`, resolved to a commit at load."
 
+# The released models, as flow_grpo loads them (PickScore's processor is its base CLIP's; the
+# aesthetic head is LAION's sac+logos+ava1-l14-linearMSE.pth, as TRL's DDPO publishes it).
+PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+CLIPSCORE_MODEL = "openai/clip-vit-large-patch14"
+AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
+AESTHETIC_HEAD = "trl-lib/ddpo-aesthetic-predictor"
+AESTHETIC_HEAD_FILE = "aesthetic-model.pth"
+
 
 @dataclass
-class PickScoreSection:
+class PickScoreSection(_CheckedSection):
+    TABLE = "reward.pickscore"
+
     model: str = _option(
-        reward_defaults.PICKSCORE_MODEL, "PickScore's CLIP-H: a hub id or a local folder.",
-        path="hub",
-    )  # fmt: skip
+        PICKSCORE_MODEL, "PickScore's CLIP-H: a hub id or a local folder.", path="hub"
+    )
     revision: str = _option("main", _HUB_REVISION)
     processor: str = _option(
-        reward_defaults.PICKSCORE_PROCESSOR,
+        PICKSCORE_PROCESSOR,
         "Its image processor and tokenizer: hub id or folder (its base CLIP's, as its "
         "authors load it).",
         path="hub",
@@ -315,27 +380,27 @@ class PickScoreSection:
 
 
 @dataclass
-class ClipScoreSection:
-    model: str = _option(
-        reward_defaults.CLIPSCORE_MODEL, "The CLIP model: a hub id or a local folder.",
-        path="hub",
-    )  # fmt: skip
+class ClipScoreSection(_CheckedSection):
+    TABLE = "reward.clipscore"
+
+    model: str = _option(CLIPSCORE_MODEL, "The CLIP model: a hub id or a local folder.", path="hub")
     revision: str = _option("main", _HUB_REVISION)
 
 
 @dataclass
-class AestheticSection:
+class AestheticSection(_CheckedSection):
+    TABLE = "reward.aesthetic"
+
     model: str = _option(
-        reward_defaults.AESTHETIC_CLIP, "The CLIP ViT-L/14: a hub id or a local folder.",
-        path="hub",
-    )  # fmt: skip
+        AESTHETIC_CLIP, "The CLIP ViT-L/14: a hub id or a local folder.", path="hub"
+    )
     revision: str = _option("main", _HUB_REVISION)
     head: str = _option(
-        reward_defaults.AESTHETIC_HEAD,
+        AESTHETIC_HEAD,
         "The aesthetic MLP: a hub id or folder holding `head_file`, or the file itself.",
         path="hub",
     )
-    head_file: str = _option(reward_defaults.AESTHETIC_HEAD_FILE, "The head's file name.")
+    head_file: str = _option(AESTHETIC_HEAD_FILE, "The head's file name.")
     head_revision: str = _option("main", "Hub revision of `head`.")
 
 
@@ -353,7 +418,12 @@ def _reward_table(name: str, cls: type) -> Any:
 
 
 @dataclass
-class RewardSection:
+class RewardSection(_CheckedSection):
+    """[reward]: what scores the images. The reward builders read it (and its tables) as
+    they are: each takes what it needs."""
+
+    TABLE = "reward"
+
     weights: dict[str, float] = _option(
         {"ocr": 1.0},
         "Reward name -> weight; the total is the weighted sum. `module:function` names a plugin.",
@@ -690,8 +760,8 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
         _, value_tp = typing.get_args(tp)
         if not isinstance(value, dict):
             return False, value
-        items = {k: _coerce(v, value_tp) for k, v in value.items()}
-        return all(ok for ok, _ in items.values()), {k: v for k, (_, v) in items.items()}
+        entries = {k: _coerce(v, value_tp) for k, v in value.items()}
+        return all(ok for ok, _ in entries.values()), {k: v for k, (_, v) in entries.items()}
     if tp is bool:
         return isinstance(value, bool), value
     if tp is int:
@@ -806,7 +876,7 @@ def _build_section(
             )
             continue
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 errors.append(f"{source.where(dotted)}: `{dotted}` must be a table")
                 continue
@@ -887,7 +957,7 @@ def build_config(raw: dict[str, Any], source: _Source) -> Config:
     return Config(**values)
 
 
-def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
+def load_config(path: Path | str | None, overrides: Sequence[str] = ()) -> Config:
     """Read a TOML config (or the defaults when path is None) and apply `--set` overrides."""
     raw: dict[str, Any] = {}
     text = ""
@@ -1029,7 +1099,7 @@ def iter_reference(cls: type = Config, prefix: str = "") -> typing.Iterator[tupl
     for f in dataclasses.fields(cls):
         dotted = f"{prefix}{f.name}"
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             yield from iter_reference(tp, dotted + ".")
         else:
             meaning = f.metadata["help"]

@@ -5,23 +5,77 @@ are constants of the run directory (flowgrpo_cli.store.rundir: ROLLOUT, SCORE, .
 manifests that later stages read are typed here, written and read back as the same dataclass,
 so a field is named in one place: rollout -> score and update (RolloutManifest: parts and the
 exact sampler settings, sigma schedule included), score -> update (ScoreManifest).
+
+SamplerSettings, what every rollout engine samples with, is defined here rather than beside the
+denoising loop (engines.sampling), because the manifest records it and the store sits below
+the engines: it is written field by field, generically, so a new setting needs no code here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flowgrpo_cli.algorithm.schedule import StepSchedule
-from flowgrpo_cli.engines.sampling import SamplerSettings
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import MANIFEST, ROLLOUT, SCORE, require_manifest
 
 # The names rollout gives its parts (store.rundir.part_name): a manifest naming anything else,
 # another folder's file say, is refused rather than read.
 _PART = re.compile(r"(part|conditioning)-\d{5}-of-\d{5}\.arrow")
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """How a rollout samples: what every engine's denoising loop reads, and what the rollout
+    manifest records (the field order is the manifest's key order; see `_flat`)."""
+
+    kind: str  # a key of algorithm.sde.STEP_FUNCTIONS
+    noise_level: float  # 0: every step is the Euler ODE step
+    guidance_scale: float
+    schedule: StepSchedule
+    height: int
+    width: int
+    # The ODE steps after the SDE window (MixGRPO-Flash; sampler.post_window_solver and
+    # post_window_compress): their solver ("euler" or "dpm++2m") and the share of them taken.
+    # A field added later needs a default: a manifest written before it lacks its key, and
+    # reads back as sampled with the default.
+    post_window_solver: str = "euler"
+    post_window_compress: float = 1.0
+
+
+def _flat(settings: Any) -> dict[str, Any]:
+    """A dataclass as one JSON table, field by field in order: a field that is a dataclass
+    itself (the schedule) is written inline, its fields in its place; tuples become lists."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(value))
+        else:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _unflat(cls: Any, table: dict[str, Any]) -> Any:
+    """`_flat` read back. A key the table lacks takes its field's default (a manifest written
+    before that field existed); one without a default raises KeyError naming it."""
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            values[f.name] = _unflat(tp, table)
+        elif f.name in table:
+            value = table[f.name]
+            values[f.name] = tuple(value) if typing.get_origin(tp) is tuple else value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise KeyError(f.name)
+    return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -43,25 +97,11 @@ class RolloutManifest:
 
     def fields(self) -> dict[str, Any]:
         """The manifest's own keys (StageWriter.finish adds counts, parts and identity)."""
-        sampler, schedule = self.sampler, self.sampler.schedule
         return {
             "trajectory_parts": list(self.trajectory_parts),
             "conditioning_parts": list(self.conditioning_parts),
             "policy_version": self.policy_version,
-            "sampler": {
-                "kind": sampler.kind,
-                "noise_level": sampler.noise_level,
-                "guidance_scale": sampler.guidance_scale,
-                "num_steps": schedule.num_steps,
-                "stochastic": list(schedule.stochastic),
-                "trained": list(schedule.trained),
-                "height": sampler.height,
-                "width": sampler.width,
-                "post_window_solver": sampler.post_window_solver,
-                "post_window_compress": sampler.post_window_compress,
-                "dtype": self.dtype,
-                "sigmas": list(self.sigmas),
-            },
+            "sampler": {**_flat(self.sampler), "dtype": self.dtype, "sigmas": list(self.sigmas)},
         }
 
     @classmethod
@@ -74,21 +114,7 @@ class RolloutManifest:
                 trajectory_parts=tuple(manifest["trajectory_parts"]),
                 conditioning_parts=tuple(manifest["conditioning_parts"]),
                 policy_version=manifest["policy_version"],
-                sampler=SamplerSettings(
-                    kind=sampler["kind"],
-                    noise_level=sampler["noise_level"],
-                    guidance_scale=sampler["guidance_scale"],
-                    height=sampler["height"],
-                    width=sampler["width"],
-                    schedule=StepSchedule(
-                        num_steps=sampler["num_steps"],
-                        stochastic=tuple(sampler["stochastic"]),
-                        trained=tuple(sampler["trained"]),
-                    ),
-                    # Absent from manifests written before MixGRPO-Flash: those sampled so.
-                    post_window_solver=sampler.get("post_window_solver", "euler"),
-                    post_window_compress=sampler.get("post_window_compress", 1.0),
-                ),
+                sampler=_unflat(SamplerSettings, sampler),
                 sigmas=tuple(float(s) for s in sampler["sigmas"]),
                 dtype=sampler["dtype"],
                 identity=manifest["identity"],

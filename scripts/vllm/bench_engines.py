@@ -42,9 +42,9 @@ def main() -> None:
     from flowgrpo_cli.algorithm.schedule import build_step_schedule
     from flowgrpo_cli.engines.base import SampleRequest
     from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
-    from flowgrpo_cli.engines.sampling import SamplerSettings
     from flowgrpo_cli.engines.vllm_omni import VllmOmniEngine
     from flowgrpo_cli.models import load_adapter
+    from flowgrpo_cli.store.contract import SamplerSettings
     from flowgrpo_cli.training.policy import DTYPES, Policy, attach_lora
 
     model = args.model

@@ -164,9 +164,9 @@ def _eval_images(run: RunDir, iteration: int) -> dict[str, bytes]:
 def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, bytes]:
     """What the diffusers engine draws for the evaluation of `iteration`: noise level 0."""
     from flowgrpo_cli.algorithm.schedule import build_step_schedule
-    from flowgrpo_cli.engines.sampling import SamplerSettings
     from flowgrpo_cli.models import to_png
     from flowgrpo_cli.stages.evaluate import evaluation_requests
+    from flowgrpo_cli.store.contract import SamplerSettings
 
     policy = _policy_at(config, run, iteration)
     engine = DiffusersEngine(
