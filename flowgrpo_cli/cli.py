@@ -139,7 +139,7 @@ def user_errors(fn: F) -> F:
 
 
 def run_in_rank(argv: list[str]) -> None:
-    """Run `flowgrpo ARGV` in this process as one rank of a Ray launch (launch/ray_cluster.py).
+    """Run `flowgrpo ARGV` in this process as one rank of a Ray launch (ray_cluster.py).
 
     A FlowGrpoError is raised rather than printed: Ray hands it to the launching process,
     which reports it with the rank's number.
@@ -192,8 +192,15 @@ def prepare(
     overrides = [*(set_ or []), *_as_overrides(options)]
     resolved = resolve_run(config, overrides, run, allow_change=allow_config_change)
     with resolved.writing():
-        manifest = stage.run(resolved.config, resolved.run)
-    render_prepare_summary(console, resolved.run, manifest)
+        result = stage.run(resolved.config, resolved.run)
+    render_prepare_summary(console, resolved.run, result.manifest)
+    if not result.fresh:
+        console.print(
+            f"{resolved.run.data_dir} was already prepared from the same prompts and config: "
+            "left as it was",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 NprocOpt = Annotated[
@@ -244,7 +251,7 @@ def _run_ranks(
         launch_local,
         launched_by_flowgrpo,
     )
-    from flowgrpo_cli.launch.ray_cluster import ray_address_for
+    from flowgrpo_cli.ray_cluster import ray_address_for
 
     section = resolved.config.distributed
     ranks = nproc or section.nproc
@@ -261,7 +268,7 @@ def _run_ranks(
         if first is not None:
             first()
         if address is not None:
-            from flowgrpo_cli.launch.ray_cluster import launch_ray
+            from flowgrpo_cli.ray_cluster import launch_ray
 
             launch_ray(
                 sys.argv[1:],
@@ -340,8 +347,8 @@ def _iteration_of(resolved: Any, iteration: int | None) -> int:
 def _load_policy_for(resolved: Any, iteration: int, *, sampling: bool = False) -> Any:
     """The policy iteration `iteration` starts from; with `sampling`, the weights its rollout
     samples with (nft: the checkpoint's anchor)."""
-    from flowgrpo_cli.algorithm.registry import spec
     from flowgrpo_cli.launch.distributed import init_process_group, resolve_device
+    from flowgrpo_cli.training.algorithms import algorithm_for
     from flowgrpo_cli.training.policy import (
         ANCHOR_FOLDER,
         checkpoint_for,
@@ -354,7 +361,7 @@ def _load_policy_for(resolved: Any, iteration: int, *, sampling: bool = False) -
     policy = load_policy(resolved.config, device)
     checkpoint = checkpoint_for(resolved.run, iteration)
     if checkpoint is not None:
-        anchor = sampling and spec(resolved.config.algorithm.name).samples_with_anchor
+        anchor = sampling and algorithm_for(resolved.config).samples_with_anchor
         load_weights(policy, checkpoint, ANCHOR_FOLDER if anchor else "")
     return policy
 
@@ -451,7 +458,7 @@ def _score_on_ray_pool(resolved: Any, iteration: int | None, ray_address: str | 
     """Score as Ray tasks apart from the ranks, when the Ray backend is on and
     distributed.score_tasks > 0; False when that is not asked for."""
     from flowgrpo_cli.launch.distributed import is_rank_process
-    from flowgrpo_cli.launch.ray_cluster import ray_address_for, score_on_pool
+    from flowgrpo_cli.ray_cluster import ray_address_for, score_on_pool
 
     address = ray_address_for(resolved.config, ray_address)
     if address is None or resolved.config.distributed.score_tasks <= 0 or is_rank_process():
@@ -493,6 +500,96 @@ def _update(resolved: Any, number: int) -> None:
 app.command("rollout")(_stage_command(_rollout))
 app.command("score")(_stage_command(_score, instead=_score_on_ray_pool))
 app.command("update")(_stage_command(_update))
+
+
+@app.command()
+@user_errors
+def evaluate(
+    config: ConfigOpt = None,
+    run: RunOpt = None,
+    set_: SetOpt = None,
+    allow_config_change: AllowChangeOpt = False,
+    iteration: Annotated[
+        int | None,
+        typer.Option(
+            "--iteration",
+            "-i",
+            help="Checkpoint to evaluate (checkpoints/iter-N, the policy after N+1 updates, "
+            "written to eval/iter-(N+1)); default: the latest finished one.",
+        ),
+    ] = None,
+    base: Annotated[
+        bool,
+        typer.Option(
+            "--base",
+            help="Evaluate the model the run starts from, no trained weights (model.path, "
+            "with model.init_lora if set) -> eval/iter-000000.",
+        ),
+    ] = False,
+    nproc: NprocOpt = None,
+    ray_address: RayAddressOpt = None,
+) -> None:
+    """Score a checkpoint (or --base) on the run's held-out prompts, as the loop's evaluation
+    does -> RUN/eval/iter-M/ and samples/eval-iter-M.png."""
+    from flowgrpo_cli.stages import evaluate as stage
+    from flowgrpo_cli.store.runconfig import resolve_run
+
+    if base and iteration is not None:
+        raise FlowGrpoError(
+            f"--base and --iteration {iteration} name two policies: give one (--base: the "
+            "model before any update; --iteration N: checkpoints/iter-N)"
+        )
+    resolved = resolve_run(config, set_ or [], run, allow_change=allow_config_change)
+    evaluated = stage.evaluated_iteration(resolved.config, resolved.run, iteration, base)
+    _run_ranks(resolved, nproc, lambda: _evaluate(resolved, evaluated), ray_address)
+
+
+def _evaluate(resolved: Any, evaluated: int) -> None:
+    """The loop's evaluation of the policy after `evaluated` updates, with the weights the loop
+    evaluates: the EMA (from the checkpoint, through the trainer as the loop holds it) when
+    train.ema_decay > 0, else the checkpoint's weights."""
+    import contextlib
+
+    from flowgrpo_cli.engines import build_engine, engine_class
+    from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
+    from flowgrpo_cli.reporting.render import checkpoint_name, updates
+    from flowgrpo_cli.stages import evaluate as stage
+    from flowgrpo_cli.store.metrics_log import rebuild
+
+    cfg = resolved.config
+    engine_class(cfg.sampler.engine)  # fails fast on a missing engine
+    policy = _load_policy_for(resolved, evaluated)
+    weights: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if cfg.train.ema_decay > 0:
+        from flowgrpo_cli.training.trainer import Trainer
+
+        trainer = Trainer(cfg, policy)
+        if evaluated > 0:
+            trainer.load(resolved.run.checkpoint_dir(evaluated - 1))
+        weights = trainer.ema_weights()
+    engine = build_engine(cfg, policy)
+    progress = RichProgress() if _is_main() else NullProgress()
+    with weights:
+        result = stage.run(cfg, resolved.run, evaluated, engine, progress=progress)
+    if not _is_main():
+        return
+    rebuild(resolved.run, resolved.run.current_iteration())  # `flowgrpo report` reads the log
+    if evaluated == 0:
+        what = "the base model" + (" (model.init_lora)" if cfg.model.init_lora else "")
+    else:
+        what = f"{checkpoint_name(evaluated - 1)} (the policy after {updates(evaluated)})"
+    kind = ", its EMA weights" if cfg.train.ema_decay > 0 and evaluated > 0 else ""
+    folder = resolved.run.eval_dir(evaluated)
+    console.print(
+        f"held-out evaluation of {what}{kind} -> {folder}", highlight=False, soft_wrap=True
+    )
+    render_metrics(console, f"eval/{folder.name}", result.metrics)
+    if not result.fresh:
+        console.print(
+            f"{folder} was already evaluated with the same config and weights: not recomputed",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @app.command()
@@ -878,7 +975,7 @@ def plan(
     import json
 
     from flowgrpo_cli.planning import plan_run
-    from flowgrpo_cli.reporting.plan import render_plan
+    from flowgrpo_cli.planning.table import render_plan
     from flowgrpo_cli.store.config import load_config
 
     if iterations < 1:

@@ -17,11 +17,10 @@ from PIL import UnidentifiedImageError
 from flowgrpo_cli.engines import build_engine, engine_class
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info, init_process_group, resolve_device
-from flowgrpo_cli.launch.ray_cluster import pool_scorer_in_rank
+from flowgrpo_cli.ray_cluster import pool_scorer_in_rank
 from flowgrpo_cli.reporting.grid import GRID_GROUPS, GRID_PER_GROUP, GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.reporting.trackers import active_trackers, open_trackers, track
-from flowgrpo_cli.stages.evaluate import evaluate
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest, ScoreManifest
 from flowgrpo_cli.store.metrics_log import read_log, rebuild
@@ -59,7 +58,7 @@ def run_loop(
     """Train until `iterations` are done; `on_iteration(summary)` after each one and
     `on_note(text)` for what a user should know before the first (main rank only)."""
     from flowgrpo_cli.rewards.commands import build_rewards_from_config
-    from flowgrpo_cli.stages import prepare, rollout, score, update
+    from flowgrpo_cli.stages import evaluate, prepare, rollout, score, update
 
     progress = progress or NullProgress()
     info = dist_info()
@@ -89,7 +88,7 @@ def run_loop(
     ):
         if _eval_due(config, start, iterations):
             with trainer.ema_weights():
-                evaluate(config, run, start, engine, rewards)
+                evaluate.run(config, run, start, engine, rewards, progress)
         if info.is_main:  # what a kill after the last checkpoint left unwritten
             write_logs(run, start)
             apply_retention(run, *_retention(config))
@@ -102,7 +101,7 @@ def run_loop(
             update.run(config, run, iteration, trainer, progress)
             if _eval_due(config, iteration + 1, iterations):
                 with trainer.ema_weights():
-                    evaluate(config, run, iteration + 1, engine, rewards)
+                    evaluate.run(config, run, iteration + 1, engine, rewards, progress)
             barrier()
             if info.is_main:
                 apply_retention(run, *_retention(config))

@@ -1,36 +1,46 @@
-"""Evaluation: ODE sampling (noise level 0) of fixed test prompts with fixed seeds, scored.
+"""`flowgrpo evaluate` (and the loop's periodic evaluation): ODE sampling (noise level 0) of
+fixed test prompts with fixed seeds, scored.
 
-`RUN/eval/iter-N/` holds the evaluation of the policy that iteration N starts from (iter-0 is
-the base model): one Arrow part per rank (sample_id, prompt, ground_truth, image, rewards),
-metrics.json and the manifest; `samples/eval-iter-N.png` is its image grid.
+`RUN/eval/iter-N/` holds the evaluation of the policy that iteration N starts from, the policy
+after N updates (iter-0 is the base model): one Arrow part per rank (sample_id, prompt,
+ground_truth, image, rewards), metrics.json and the manifest; `samples/eval-iter-N.png` is its
+image grid. Its identity is the whole config's hash and the evaluated weights' version (`+ema`
+when they are the EMA), so the loop and `flowgrpo evaluate` find each other's evaluations.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
-from flowgrpo_cli.engines.sampling import SamplerSettings
+from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import dist_info
-from flowgrpo_cli.launch.stage import Finished, run_stage, verify_inputs
+from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
+from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import Config, config_hash
+from flowgrpo_cli.store.contract import SamplerSettings
 from flowgrpo_cli.store.datatable import read_split
 from flowgrpo_cli.store.rundir import (
+    CHECKPOINT,
     EVAL,
     PREPARE,
     RunDir,
     StageWriter,
     atomic_write_bytes,
     part_name,
+    read_manifest,
     require_manifest,
 )
 from flowgrpo_cli.store.seeding import derive_seed
 from flowgrpo_cli.store.trajectory import read_table, write_table
+
+if TYPE_CHECKING:
+    from flowgrpo_cli.rewards.rewardset import RewardSet
 
 GRID_IMAGES = 16
 
@@ -55,15 +65,107 @@ def evaluation_requests(config: Config, run: RunDir) -> list[SampleRequest]:
     ]
 
 
-def evaluate(
-    config: Config, run: RunDir, iteration: int, engine: RolloutEngine, rewards: Any
-) -> dict[str, float]:
-    """Evaluate the engine's current policy; returns `eval/...` metrics (cached on disk)."""
+def evaluated_iteration(config: Config, run: RunDir, checkpoint: int | None, base: bool) -> int:
+    """The eval/iter-M that `flowgrpo evaluate` writes: M = N + 1 for checkpoints/iter-N (the
+    policy after N + 1 updates; default: the latest finished checkpoint), M = 0 for the base
+    model (`base`: the weights the run starts from). A folder that is not a prepared run, a
+    run without test prompts, and a checkpoint that is unfinished or lost its weights are
+    refused by name, with the checkpoints that can be evaluated."""
+    if not run.config_path.is_file():
+        raise FlowGrpoError(
+            f"{run.root} is not a run directory (it has no config.toml): give --run the folder "
+            "of a run made by `flowgrpo prepare` or `flowgrpo loop`"
+        )
+    if read_manifest(run.data_dir) is None:
+        raise FlowGrpoError(
+            f"{run.root} has no prepared prompts ({run.data_dir} is missing or unfinished): "
+            "run `flowgrpo prepare` first"
+        )
+    if not evaluation_requests(config, run):
+        raise FlowGrpoError(
+            f"{run.data_dir / 'test.parquet'} holds no prompts: nothing to evaluate on (prepare "
+            "the run with test prompts: data.test or data.test_fraction)"
+        )
+    if base:
+        return 0
+    if checkpoint is not None and checkpoint < 0:
+        raise FlowGrpoError(f"--iteration {checkpoint}: must be at least 0 (--base: the base)")
+    finished = finished_checkpoints(run)
+    usable = [n for n, kept in finished.items() if kept]
+    if checkpoint is None:
+        if not finished:
+            raise FlowGrpoError(
+                f"{run.root} has no finished checkpoint yet: train first (`flowgrpo loop`), or "
+                "evaluate the base model with --base"
+            )
+        checkpoint = max(finished)
+    if finished.get(checkpoint):
+        return checkpoint + 1
+    folder = run.checkpoint_dir(checkpoint)
+    if checkpoint in finished:
+        problem = (
+            f"{folder} no longer holds its weights (deleted to save disk: "
+            "run.checkpoint_every, run.keep_checkpoints)"
+        )
+    elif folder.exists():
+        problem = f"{folder} is unfinished (its update did not finish)"
+    else:
+        problem = f"{folder} does not exist"
+    have = (
+        f"checkpoints with weights: iterations {_ranges(usable)}"
+        if usable
+        else "the run has no checkpoint with weights (--base evaluates the base model)"
+    )
+    raise FlowGrpoError(f"--iteration {checkpoint}: {problem}; {have}")
+
+
+def finished_checkpoints(run: RunDir) -> dict[int, bool]:
+    """Iteration -> whether its finished checkpoint still holds its weights, in order."""
+    found = {}
+    for path in sorted((run.root / CHECKPOINT.folder).glob("iter-*")):
+        number = path.name.removeprefix("iter-")
+        if path.is_dir() and number.isdigit():
+            manifest = read_manifest(path)
+            if manifest is not None:
+                found[int(number)] = "pruned" not in manifest
+    return dict(sorted(found.items()))
+
+
+def _ranges(numbers: list[int]) -> str:
+    """`0-29, 35`: sorted numbers with their consecutive runs joined."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def run(
+    config: Config,
+    run: RunDir,
+    iteration: int,
+    engine: RolloutEngine,
+    rewards: RewardSet | None = None,
+    progress: Progress | None = None,
+) -> StageResult:
+    """Evaluate the engine's current weights as the policy iteration `iteration` starts from
+    (0: the base model) -> RUN/eval/iter-N/ and samples/eval-iter-N.png.
+
+    `rewards`: a RewardSet kept open by the caller (the loop keeps reward models alive across
+    iterations); built and closed here when None, and only when there is work to do. An
+    evaluation already finished with the same config and weights comes back at once (fresh
+    False); one finished with others is an error (delete the folder to redo it). A run without
+    test prompts has nothing to evaluate: empty manifest and metrics."""
+    from flowgrpo_cli.rewards.commands import build_rewards_from_config
+
+    progress = progress or NullProgress()
     info = dist_info()
     verify_inputs(run.data_dir)
     requests = evaluation_requests(config, run)
     if not requests:
-        return {}
+        return StageResult({}, {}, fresh=False)
     identity = {"config": config_hash(config), "policy": engine.version}
     writer = StageWriter(run.eval_dir(iteration), EVAL.name, identity)
     parts = [part_name(r, info.world_size) for r in range(info.world_size)]
@@ -76,7 +178,16 @@ def evaluate(
     def evaluate_my_prompts() -> dict[str, float]:
         started = time.perf_counter()
         mine = requests[info.rank :: info.world_size]
-        table = _sample_and_score(mine, engine, rewards, settings, config.sampler.batch_size)
+        progress.start(f"eval iter {iteration}", total=len(mine))
+        scorer = rewards if rewards is not None else build_rewards_from_config(config.reward)
+        try:
+            table = _sample_and_score(
+                mine, engine, scorer, settings, config.sampler.batch_size, progress
+            )
+        finally:
+            if rewards is None:
+                scorer.close()
+            progress.finish()
         write_table(writer.part_path(parts[info.rank]), table)
         return {"eval/seconds": time.perf_counter() - started}
 
@@ -89,16 +200,16 @@ def evaluate(
             counts={"images": table.num_rows},
         )
 
-    result = run_stage(writer, evaluate_my_prompts, finish)
-    return result.metrics if info.is_main or not result.fresh else {}
+    return run_stage(writer, evaluate_my_prompts, finish)
 
 
 def _sample_and_score(
     requests: list[SampleRequest],
     engine: RolloutEngine,
-    rewards: Any,
+    rewards: RewardSet,
     settings: SamplerSettings,
     batch_size: int,
+    progress: Progress,
 ) -> pa.Table:
     """ODE images of `requests`, PNG-encoded and scored: one row per request."""
     from flowgrpo_cli.models import to_pil, to_png
@@ -124,6 +235,7 @@ def _sample_and_score(
             "reward_error": pa.array(scored.reward_error, pa.string()),
         }
         tables.append(pa.table(columns))
+        progress.advance(len(chunk))
     return pa.concat_tables(tables)
 
 

@@ -11,7 +11,7 @@ import random
 import statistics
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.imports import add_plugin_dirs
@@ -28,9 +28,12 @@ from flowgrpo_cli.store.rundir import (
     RunDir,
     StageWriter,
     atomic_file,
-    read_manifest,
+    require_manifest,
     sha256_file,
 )
+
+if TYPE_CHECKING:
+    from flowgrpo_cli.launch.stage import StageResult
 
 SPLITS = ("train", "test")
 COLUMNS = ("prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source")
@@ -109,8 +112,21 @@ def _length_stats(rows: list[PromptRow]) -> dict[str, Any]:
     }
 
 
-def run(config: Config, run: RunDir) -> dict[str, Any]:
-    """Write the data tables (unless already written for the same inputs); return the manifest."""
+def _metrics(manifest: dict[str, Any]) -> dict[str, float]:
+    """What the manifest records, as numbers: prompts per split and rows skipped."""
+    counts = manifest["counts"]
+    return {
+        **{f"data/{split}_prompts": float(counts[split]) for split in SPLITS},
+        "data/skipped_invalid": float(manifest["summary"]["skipped_invalid"]),
+    }
+
+
+def run(config: Config, run: RunDir) -> StageResult:
+    """Write the data tables, unless already written for the same inputs (fresh False then).
+
+    The manifest holds the split sizes (`counts`) and the `summary` `flowgrpo prepare` prints:
+    rows skipped, duplicates per split, prompts in both splits, target lengths. Runs in one
+    process (rank 0 of a launch calls it alone)."""
     import pyarrow.parquet as pq
 
     data = config.data
@@ -143,9 +159,13 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
     # The tables too are made before the data folder exists: a row Arrow cannot hold must
     # fail here, not leave a half-made data folder that makes the run refuse a new config.
     tables = {name: _table(rows, data) for name, rows in splits.items()}
+    # Only now: launch.stage loads torch (seconds), which an error above need not wait for.
+    from flowgrpo_cli.launch.stage import StageResult
+
     writer = StageWriter(run.data_dir, PREPARE.name, identity)
     if not writer.begin():
-        return read_manifest(run.data_dir)
+        manifest = require_manifest(run.data_dir, PREPARE.command)
+        return StageResult(manifest, _metrics(manifest), fresh=False)
 
     test_prompts = {row.prompt for row in test}
     overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})
@@ -159,4 +179,5 @@ def run(config: Config, run: RunDir) -> dict[str, Any]:
         "target_length": {name: _length_stats(rows) for name, rows in splits.items()},
     }
     counts = {name: len(rows) for name, rows in splits.items()}
-    return writer.finish([f"{name}.parquet" for name in SPLITS], counts, {"summary": summary})
+    manifest = writer.finish([f"{name}.parquet" for name in SPLITS], counts, {"summary": summary})
+    return StageResult(manifest, _metrics(manifest), fresh=True)

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.reporting.render import updates
 from flowgrpo_cli.store.rundir import (
     CHECKPOINT,
     EVAL,
@@ -104,8 +105,13 @@ def _describe_run(console: Console, run: RunDir) -> None:
     console.print(f"data: {check.status(run.data_dir)}")
     console.print(table)
     evaluations = sorted(p for p in (run.root / EVAL.folder).glob("iter-*") if p.is_dir())
-    for folder in evaluations:  # evaluations of iterations beyond the table's included
-        check.status(folder)
+    for folder in evaluations:  # the loop's and `flowgrpo evaluate`'s
+        suffix = folder.name.removeprefix("iter-")
+        what = ""
+        if suffix.isdigit():
+            policy = f"the policy after {updates(int(suffix))}" if int(suffix) else "the base model"
+            what = f" ({policy})"
+        console.print(f"eval/{folder.name}{what}: {check.status(folder)}", highlight=False)
     for number in _checkpoint_numbers(run):
         if number not in run.iterations():
             check.status(run.checkpoint_dir(number))

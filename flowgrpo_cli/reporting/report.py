@@ -129,7 +129,8 @@ def _summary_table(log: list[dict[str, Any]]) -> str:
             text = "" if value is None else (str(value) if column == "iteration"
                                             else f"{value:.4g}")  # fmt: skip
             if column == "iteration" and "reward/mean" not in line:
-                text += " (final evaluation)"  # no iteration ran: the evaluation after the last
+                # no iteration ran: the evaluation after the last one, or of the base alone
+                text += " (base model)" if line["iteration"] == 0 else " (final evaluation)"
             cells.append(f"<td>{text}</td>")
         rows.append(f"<tr>{''.join(cells)}</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
@@ -175,7 +176,8 @@ prompts with fixed seeds.</p>
 its update, the (N+1)-th, whose weights are checkpoint iter-N. Its <code>eval/*</code> columns
 evaluate the policy after N updates (<code>eval/iter-N</code>, the weights of checkpoint
 iter-(N-1); N = 0: the base model). The row marked final evaluation has no iteration: it is
-the evaluation of the policy after N updates, the last checkpoint's.</p>
+the evaluation of the policy after N updates, the last checkpoint's; a row 0 marked base model
+is the base model's evaluation in a run that has not trained yet.</p>
 {_summary_table(log)}
 <h2>Sample grids</h2><div class="grids">{grids}</div>
 </body></html>
