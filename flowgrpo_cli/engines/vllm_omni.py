@@ -37,16 +37,20 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from flowgrpo_cli.engines.base import SampleRequest
-from flowgrpo_cli.engines.diffusers_engine import DiffusersEngine
-from flowgrpo_cli.engines.sampling import SampledBatch, SamplerSettings
+from flowgrpo_cli.engines.base import GroupConditioning, RolloutEngine, SampleRequest
+from flowgrpo_cli.engines.sampling import SampledBatch
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import Conditioning
+from flowgrpo_cli.store.contract import SamplerSettings
 from flowgrpo_cli.training.policy import Policy
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 #: The pipeline class vllm-omni loads (`custom_pipeline_args`), resolved via `__getattr__`.
 PIPELINE_CLASS = f"{__name__}.FlowGrpoQwenImagePipeline"
@@ -96,7 +100,7 @@ class _ExportedAdapter:
     request: Any  # vllm LoRARequest
 
 
-class VllmOmniEngine:
+class VllmOmniEngine(RolloutEngine):
     """Samples with vllm-omni; encodes text and tracks weights with the in-process policy.
 
     `omni_kwargs` go to `vllm_omni.Omni` (after those of $FLOWGRPO_VLLM_OMNI_KWARGS). vllm-omni
@@ -129,9 +133,9 @@ class VllmOmniEngine:
                 f"adapter; train.mode = {policy.mode!r} is not supported: use train.mode = "
                 "'lora' or sampler.engine = 'diffusers'"
             )
-        self.policy = policy
-        # Text conditioning is the policy adapter's, exactly as the diffusers engine makes it.
-        self._text = DiffusersEngine(policy, max_sequence_length=max_sequence_length)
+        # Text conditioning is the policy adapter's (RolloutEngine.encode), exactly as the
+        # diffusers engine makes it.
+        super().__init__(policy, max_sequence_length=max_sequence_length)
         self._omni_kwargs = {**_env_omni_kwargs(), **(omni_kwargs or {})}
         self._omni: Any = None
         self._adapter: _ExportedAdapter | None = None
@@ -139,27 +143,10 @@ class VllmOmniEngine:
         self._lora_root = Path(tempfile.mkdtemp(prefix="flowgrpo-vllm-lora-"))
         weakref.finalize(self, shutil.rmtree, self._lora_root, True)
 
-    @property
-    def version(self) -> str:
-        return self.policy.version
-
-    def encode(
-        self, requests: list[SampleRequest], guidance_scale: float
-    ) -> dict[int, Conditioning]:
-        return self._text.encode(requests, guidance_scale)
-
     check_available = staticmethod(require_vllm_omni)  # engine_class() calls it when chosen
 
-    def sigmas(self, settings: SamplerSettings) -> torch.Tensor:
-        return self.policy.adapter.sigmas(
-            settings.schedule.num_steps, settings.height, settings.width
-        )
-
     def sample(
-        self,
-        requests: list[SampleRequest],
-        conditioning: dict[int, Conditioning],
-        settings: SamplerSettings,
+        self, requests: list[SampleRequest], encoded: GroupConditioning, settings: SamplerSettings
     ) -> SampledBatch:
         from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -185,8 +172,8 @@ class VllmOmniEngine:
         )
         prompts = []
         for request in requests:
-            cond = conditioning[request.group_id]  # [1, L, D] per tensor
-            prompt = {"prompt": request.prompt}
+            cond = encoded[request.group_id]  # [1, L, D] per tensor
+            prompt: dict[str, object] = {"prompt": request.prompt}
             prompt |= {k: cond[k].cpu() for k in _CONDITIONING_KEYS if k in cond}
             prompt[JOB_KEY] = {"sample_id": request.sample_id, "seed": request.seed}
             prompts.append(prompt)
@@ -255,7 +242,7 @@ class VllmOmniEngine:
         return _ExportedAdapter(version=version, name=name, request=request)
 
 
-def write_peft_adapter(transformer: torch.nn.Module, folder: Path) -> None:
+def write_peft_adapter(transformer: ModelMixin, folder: Path) -> None:
     """The transformer's LoRA adapter as a PEFT folder that vllm-omni's LoRA manager loads.
 
     Module names follow vllm-omni's Qwen-Image transformer: diffusers' `attn.to_out.0` is its
@@ -372,7 +359,8 @@ def _adapter_over(pipeline: Any) -> Any:
         device=pipeline.device,
         image_processor=VaeImageProcessor(vae_scale_factor=pipeline.vae_scale_factor * 2),
     )
-    return QwenImageAdapter(view)
+    # cast: the view holds what QwenImageAdapter reads of a diffusers QwenImagePipeline.
+    return QwenImageAdapter(cast("QwenImagePipeline", view))
 
 
 def _build_pipeline_class() -> type:

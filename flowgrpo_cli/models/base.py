@@ -1,4 +1,6 @@
-"""What every model adapter provides, and the small helpers the family adapters share.
+"""What every model adapter provides: `ModelAdapter`, the base of the family adapters, which
+holds what the families do alike (`PackedLatentAdapter`: what FLUX and Qwen-Image share
+besides), and the small helpers they use.
 
 An adapter wraps one diffusers pipeline and splits its ``__call__`` into the pieces Flow-GRPO
 drives itself: encode prompts, draw the initial noise, the sigma schedule, one velocity
@@ -15,18 +17,24 @@ from the tensor itself.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict
 
+import numpy as np
 import torch
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.models.guidance import apply_cfg
 
 if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
     from PIL import Image
 
 
@@ -145,38 +153,46 @@ class PipelinePlacement:
         return self.pipeline.vae.dtype
 
 
-class ModelAdapter(Protocol):
-    """One pipeline family, split into the pieces Flow-GRPO drives itself.
+class ModelAdapter(PipelinePlacement, ABC):
+    """One pipeline family, split into the pieces Flow-GRPO drives itself: the base of every
+    family's adapter.
 
-    Tensors the sampler sees are float32 whatever the model dtype; latents are cast to the
-    transformer's dtype only for its forward.
+    The public methods are what rollout and training call; what the families do alike is
+    written here once, and a family supplies the abstract methods (its latent layout, its
+    encode_prompt call, its transformer forward). Tensors the sampler sees are float32
+    whatever the model dtype; latents are cast to the transformer's dtype only for its forward.
+    Subclasses are frozen dataclasses with a ``pipeline`` field: the diffusers pipeline, as
+    from_pretrained loaded it.
     """
 
-    @property
-    def family(self) -> str:
-        """The family name ("sd3", "flux" or "qwenimage"), a key of models.FAMILIES."""
-        ...
+    #: The family name ("sd3", "flux" or "qwenimage"), a key of models.FAMILIES.
+    family: ClassVar[str]
+    #: max_shift of the resolution-dependent time shift when the scheduler config has none:
+    #: the pipeline's own default (StableDiffusion3Pipeline's is 1.16).
+    default_max_shift: ClassVar[float] = 1.15
 
     @property
-    def pipeline(self) -> Any:
-        """The diffusers pipeline, as from_pretrained loaded it."""
-        ...
-
-    @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         """The denoiser: the module that gets LoRA and FSDP."""
-        ...
+        return self.pipeline.transformer
 
     @property
+    @abstractmethod
     def default_lora_targets(self) -> list[str]:
         """The modules LoRA goes on by default, as the reference recipe of the family adapts
-        them (peft target_modules: a name or a dotted suffix of one)."""
-        ...
+        them (peft target_modules: a name or a dotted suffix of one). The planner calls
+        ``Adapter.default_lora_targets.fget(None)``: read nothing from self."""
 
+    @abstractmethod
     def latent_shape(self, height: int, width: int) -> tuple[int, ...]:
         """Per-sample shape of the state the sampler integrates: (C, height / 8, width / 8)."""
-        ...
 
+    def runs_cfg(self, guidance_scale: float) -> bool:
+        """Whether `velocity` runs the negative prompts at this scale (CFG), and so whether
+        `encode_prompts` encodes them."""
+        return guidance_scale > 1.0
+
+    @torch.no_grad()
     def encode_prompts(
         self,
         prompts: list[str],
@@ -190,24 +206,79 @@ class ModelAdapter(Protocol):
 
         Negative prompts are encoded only when `velocity` will use them at this
         guidance_scale ("" when none are given); otherwise they are ignored, as the pipelines
-        ignore them. max_sequence_length None keeps the pipeline's default.
+        ignore them. max_sequence_length None keeps the pipeline's default. A system prompt
+        is refused by the families whose text encoders take none (see `_system_prompt`).
         """
-        ...
+        negatives = None
+        if self.runs_cfg(guidance_scale):
+            negatives = negatives_for(prompts, negative_prompts)
+        with self._system_prompt(system_prompt):
+            tensors = self._encode_prompts(
+                prompts, negatives, sequence_length_kwargs(max_sequence_length)
+            )
+        return Conditioning(tensors)
+
+    def _system_prompt(self, system_prompt: str | None) -> AbstractContextManager[None]:
+        """What `encode_prompts` encodes in: here, a refusal of any system prompt."""
+        refuse_system_prompt(self.family, system_prompt)
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def _encode_prompts(
+        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+    ) -> dict[str, torch.Tensor]:
+        """The pipeline's encode_prompt of `prompts`, and of `negatives` unless None, keyed by
+        the pipeline's names; `length` is its max_sequence_length keyword (or none)."""
 
     def initial_latents(
         self, generators: list[torch.Generator], height: int, width: int
     ) -> torch.Tensor:
         """Noise float32 [B, *latent_shape], row i drawn from generators[i] exactly as the
-        pipeline's prepare_latents draws it (so a row does not depend on the batch)."""
-        ...
+        pipeline's prepare_latents draws it (so a row does not depend on the batch).
+
+        Every family's prepare_latents draws the unpacked [B, C, h, w] (Qwen-Image with a frame
+        dim of 1) before it packs anything: the same numbers."""
+        return draw_noise(generators, self.latent_shape(height, width), self.device)
 
     def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
         """float32 [num_steps + 1], from 1 down to a final 0, as the pipeline schedules them."""
-        ...
+        mu = self._mu(height, width)
+        shift = {} if mu is None else {"mu": mu}
+        return scheduler_sigmas(self.pipeline, num_steps, **self._schedule(num_steps), **shift)
+
+    def _schedule(self, num_steps: int) -> dict[str, Any]:
+        """The pipeline's set_timesteps arguments besides mu: none here (the scheduler's own
+        timesteps, as StableDiffusion3Pipeline leaves them)."""
+        return {}
 
     def time_shift(self, height: int, width: int) -> float:
         """s of the scheduler's time shift sigma = s t / (1 + (s - 1) t) at this size."""
-        ...
+        return shift_factor(self.pipeline.scheduler.config, self._mu(height, width))
+
+    def _mu(self, height: int, width: int) -> float | None:
+        """The exponent of the resolution-dependent time shift; None when the scheduler shifts
+        by its static `shift` (use_dynamic_shifting off, SD3.5's), and then ignores mu.
+
+        Mirrors the pipelines (FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline):
+        diffusers' `calculate_shift` (FLUX's; the other two call copies of it) of the token count,
+        with the scheduler config's base / max sequence lengths and shifts, or the pipelines'
+        defaults; the scheduler then applies its `time_shift` (see `shift_factor`)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.pipeline.scheduler.config
+        if not config.get("use_dynamic_shifting", False):
+            return None
+        return calculate_shift(
+            self._image_tokens(height, width),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", self.default_max_shift),
+        )
+
+    @abstractmethod
+    def _image_tokens(self, height: int, width: int) -> int:
+        """How many image tokens the transformer sees at this size (calculate_shift's input)."""
 
     def velocity(
         self,
@@ -222,11 +293,93 @@ class ModelAdapter(Protocol):
         latents float32 [B, *latent_shape], sigma float32 [B]; returns float32 like latents.
         Used by rollout and training alike, so both see the same batch layout and CFG.
         """
-        ...
+        cfg = self.runs_cfg(guidance_scale) and uses_cfg(cond, guidance_scale, self.family)
+        sigma = sigma.to(latents.device, torch.float32).expand(latents.shape[0])  # [B]
+        # The scheduler's timestep t = sigma * num_train_timesteps, float32 [B].
+        t = sigma * self.pipeline.scheduler.config.num_train_timesteps
+        return self._velocity(latents, t, cond, guidance_scale, cfg)
 
+    @abstractmethod
+    def _velocity(
+        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scale: float, cfg: bool
+    ) -> torch.Tensor:
+        """`velocity` at the scheduler's timesteps t [B]; cfg: run the negative prompts too."""
+
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents [B, *latent_shape] -> images float32 [B, 3, H, W] in [0, 1]."""
-        ...
+        """Latents [B, *latent_shape] -> images float32 [B, 3, H, W] in [0, 1].
+
+        Here as the SD3 and FLUX pipelines decode with their AutoencoderKL: unscale, unshift,
+        decode, postprocess."""
+        vae = self.pipeline.vae
+        scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(scaled.to(self.device, self.vae_dtype), return_dict=False)[0]
+        return self.pipeline.image_processor.postprocess(image.float(), output_type="pt")
+
+
+class PackedLatentAdapter(ModelAdapter):
+    """FLUX and Qwen-Image: transformers that take 2x2 patch tokens, with true CFG.
+
+    Both pipelines pack the latents into tokens (`pack_latents`) and compute the time shift's
+    mu from the packed token count, schedule linspace(1, 1/N, N) shifted by it, cast t to the
+    model dtype and hand the transformer t / 1000, and run CFG as a second forward with the
+    negative prompts. A family says what its transformer takes besides the tokens
+    (`_transformer_inputs`, `_text_inputs`), and whether CFG rescales (`cfg_rescale`).
+    """
+
+    #: apply_cfg's rescale_to_cond_norm: Qwen-Image rescales each token of the combined
+    #: velocity to the norm of its conditional one.
+    cfg_rescale: ClassVar[bool] = False
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        factor = self.pipeline.vae_scale_factor
+        # 2x2 packing needs an even latent grid.
+        check_image_size(height, width, factor * 2)
+        return (self.transformer.config.in_channels // 4, height // factor, width // factor)
+
+    def _image_tokens(self, height: int, width: int) -> int:
+        _, h, w = self.latent_shape(height, width)
+        return (h // 2) * (w // 2)  # packed tokens
+
+    def _schedule(self, num_steps: int) -> dict[str, Any]:
+        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps)}
+
+    def _velocity(
+        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scale: float, cfg: bool
+    ) -> torch.Tensor:
+        _, _, h, w = latents.shape
+        tokens = pack_latents(latents.to(self.transformer_dtype))  # [B, (h/2)(w/2), 4C]
+        inputs = {
+            "hidden_states": tokens,
+            # The pipeline casts t = sigma * 1000 to the latents' dtype, then divides by 1000.
+            "timestep": t.to(tokens.dtype) / 1000,
+            **self._transformer_inputs(tokens, (h // 2, w // 2), scale),
+        }
+
+        def forward(prefix: str) -> torch.Tensor:
+            text = self._text_inputs(cond, prefix, tokens)
+            return self.transformer(**inputs, **text, return_dict=False)[0].float()
+
+        v = forward("")  # [B, (h/2)(w/2), 4C]
+        if cfg:
+            # cfg_rescale's norms are per token: over the channels of the packed layout, as
+            # the pipeline takes them.
+            v = apply_cfg(forward("negative_"), v, scale, rescale_to_cond_norm=self.cfg_rescale)
+        return unpack_latents(v, h, w)
+
+    @abstractmethod
+    def _transformer_inputs(
+        self, tokens: torch.Tensor, grid: tuple[int, int], scale: float
+    ) -> dict[str, Any]:
+        """The transformer's keyword arguments besides the tokens (hidden_states), the timestep
+        and the text's: what the family's transformer needs for a grid of rows x cols tokens
+        and this guidance scale."""
+
+    @abstractmethod
+    def _text_inputs(self, cond: Conditioning, prefix: str, tokens: torch.Tensor) -> dict[str, Any]:
+        """The transformer's text keyword arguments, from the tensors of `cond` whose names
+        start with `prefix` ("" for the prompts, "negative_" for the negative prompts), on the
+        device (and, floats, in the dtype) of the image tokens."""
 
 
 def check_image_size(height: int, width: int, multiple: int) -> None:
@@ -348,6 +501,12 @@ def refuse_system_prompt(family: str, system_prompt: str | None) -> None:
         )
 
 
-def sequence_length_kwargs(max_sequence_length: int | None) -> dict[str, int]:
+class SequenceLength(TypedDict, total=False):
+    """encode_prompt's max_sequence_length keyword, or no keyword (the pipeline's default)."""
+
+    max_sequence_length: int
+
+
+def sequence_length_kwargs(max_sequence_length: int | None) -> SequenceLength:
     """encode_prompt keyword for a max length; None keeps the pipeline's default."""
     return {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}

@@ -17,38 +17,26 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import numpy as np
 import torch
-from diffusers import QwenImagePipeline
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+# From its module: mypy reads `from diffusers import QwenImagePipeline` as a dummy class.
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import QwenImagePipeline
 
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
-    PipelinePlacement,
-    check_image_size,
-    draw_noise,
-    negatives_for,
-    pack_latents,
-    scheduler_sigmas,
-    sequence_length_kwargs,
-    shift_factor,
-    unpack_latents,
-    uses_cfg,
+    PackedLatentAdapter,
+    SequenceLength,
 )
-from flowgrpo_cli.models.guidance import apply_cfg
 
 
 @dataclass(frozen=True)
-class QwenImageAdapter(PipelinePlacement):
+class QwenImageAdapter(PackedLatentAdapter):
     pipeline: QwenImagePipeline
     family: ClassVar[str] = "qwenimage"
-
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.pipeline.transformer
+    cfg_rescale: ClassVar[bool] = True
 
     @property
     def default_lora_targets(self) -> list[str]:
@@ -56,37 +44,18 @@ class QwenImageAdapter(PipelinePlacement):
         mlp = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"]
         return [*JOINT_ATTENTION_LORA_TARGETS, *mlp]
 
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        factor = self.pipeline.vae_scale_factor
-        # 2x2 packing needs an even latent grid.
-        check_image_size(height, width, factor * 2)
-        return (self.transformer.config.in_channels // 4, height // factor, width // factor)
-
-    @torch.no_grad()
-    def encode_prompts(
-        self,
-        prompts: list[str],
-        negative_prompts: list[str] | None,
-        *,
-        guidance_scale: float,
-        max_sequence_length: int | None = None,
-        system_prompt: str | None = None,
-    ) -> Conditioning:
-        """system_prompt None keeps the pipeline's own template (its image-description
-        system prompt); a string replaces that system prompt in the same chat template."""
-        with self._system_prompt(system_prompt):
-            tensors = self._encode("prompt", prompts, max_sequence_length)
-            if guidance_scale > 1.0:
-                negatives = negatives_for(prompts, negative_prompts)
-                tensors |= self._encode("negative_prompt", negatives, max_sequence_length)
-        return Conditioning(tensors)
+    def _encode_prompts(
+        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+    ) -> dict[str, torch.Tensor]:
+        tensors = self._encode("prompt", prompts, length)
+        if negatives is not None:
+            tensors |= self._encode("negative_prompt", negatives, length)
+        return tensors
 
     def _encode(
-        self, name: str, prompts: list[str], max_sequence_length: int | None
+        self, name: str, prompts: list[str], length: SequenceLength
     ) -> dict[str, torch.Tensor]:
-        embeds, mask = self.pipeline.encode_prompt(
-            prompt=prompts, device=self.device, **sequence_length_kwargs(max_sequence_length)
-        )
+        embeds, mask = self.pipeline.encode_prompt(prompt=prompts, device=self.device, **length)
         # embeds [B, L, D], L the longest prompt's token count. The pipeline returns no mask
         # when no prompt is padded; keep one anyway so conditionings of separate batches can
         # be padded and stacked (Conditioning.cat). velocity drops it again where it is all ones.
@@ -98,9 +67,11 @@ class QwenImageAdapter(PipelinePlacement):
     def _system_prompt(self, system_prompt: str | None) -> Iterator[None]:
         """Swap the pipeline's chat template for one with `system_prompt`, during encoding.
 
-        The pipeline drops the template's leading tokens (system turn and user header) from
-        the encoder output, by a fixed count that fits its own template; for a new system
-        prompt that count is the token length of the new template's leading part.
+        system_prompt None keeps the pipeline's own template (its image-description system
+        prompt); a string replaces that system prompt in the same chat template. The pipeline
+        drops the template's leading tokens (system turn and user header) from the encoder
+        output, by a fixed count that fits its own template; for a new system prompt that
+        count is the token length of the new template's leading part.
         """
         if system_prompt is None:
             yield
@@ -120,66 +91,20 @@ class QwenImageAdapter(PipelinePlacement):
         finally:
             pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx = saved
 
-    def initial_latents(
-        self, generators: list[torch.Generator], height: int, width: int
-    ) -> torch.Tensor:
-        # The pipeline draws [B, 1 frame, C, h, w] and packs it: the same numbers as [B, C, h, w].
-        return draw_noise(generators, self.latent_shape(height, width), self.device)
+    def _transformer_inputs(
+        self, tokens: torch.Tensor, grid: tuple[int, int], scale: float
+    ) -> dict[str, Any]:
+        # One frame of rows x cols tokens per sample.
+        return {"img_shapes": [[(1, *grid)]] * tokens.shape[0]}
 
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        linear = np.linspace(1.0, 1 / num_steps, num_steps)
-        return scheduler_sigmas(self.pipeline, num_steps, sigmas=linear, mu=self._mu(height, width))
-
-    def time_shift(self, height: int, width: int) -> float:
-        return shift_factor(self.pipeline.scheduler.config, self._mu(height, width))
-
-    def _mu(self, height: int, width: int) -> float:
-        """The resolution-dependent shift exponent."""
-        config = self.pipeline.scheduler.config
-        _, h, w = self.latent_shape(height, width)
-        return calculate_shift(
-            (h // 2) * (w // 2),  # packed tokens
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-
-    def velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        *,
-        guidance_scale: float,
-    ) -> torch.Tensor:
-        cfg = uses_cfg(cond, guidance_scale, self.family)
-        dtype, device = self.transformer_dtype, latents.device
-        b, _, h, w = latents.shape
-        tokens = pack_latents(latents.to(dtype))  # [B, (h/2)(w/2), 4C]
-        # The pipeline casts t = sigma * 1000 to the latents' dtype, then divides by 1000.
-        num_train_timesteps = self.pipeline.scheduler.config.num_train_timesteps
-        sigma = sigma.to(device, torch.float32).expand(b)  # [B]
-        timestep = (sigma * num_train_timesteps).to(dtype) / 1000
-        image_shapes = [[(1, h // 2, w // 2)]] * b  # one frame of (h/2) x (w/2) tokens each
-
-        def forward(embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return self.transformer(
-                hidden_states=tokens,
-                timestep=timestep,
-                # The pipeline passes no mask when nothing is padded.
-                encoder_hidden_states_mask=None if bool(mask.all()) else mask.to(device),
-                encoder_hidden_states=embeds.to(device, dtype),
-                img_shapes=image_shapes,
-                return_dict=False,
-            )[0].float()  # [B, (h/2)(w/2), 4C]
-
-        v = forward(cond["prompt_embeds"], cond["prompt_embeds_mask"])
-        if cfg:
-            v_uncond = forward(cond["negative_prompt_embeds"], cond["negative_prompt_embeds_mask"])
-            # Norms per token: over the channels of the packed layout, as the pipeline does.
-            v = apply_cfg(v_uncond, v, guidance_scale, rescale_to_cond_norm=True, norm_dim=-1)
-        return unpack_latents(v, h, w)
+    def _text_inputs(self, cond: Conditioning, prefix: str, tokens: torch.Tensor) -> dict[str, Any]:
+        mask = cond[f"{prefix}prompt_embeds_mask"]
+        embeds = cond[f"{prefix}prompt_embeds"]
+        return {
+            # The pipeline passes no mask when nothing is padded.
+            "encoder_hidden_states_mask": None if bool(mask.all()) else mask.to(tokens.device),
+            "encoder_hidden_states": embeds.to(tokens.device, tokens.dtype),
+        }
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:

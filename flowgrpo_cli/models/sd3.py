@@ -13,34 +13,28 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from diffusers import StableDiffusion3Pipeline
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+# From its module: mypy reads `from diffusers import StableDiffusion3Pipeline` as a dummy class.
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+    StableDiffusion3Pipeline,
+)
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models.base import (
     JOINT_ATTENTION_LORA_TARGETS,
     Conditioning,
-    PipelinePlacement,
+    ModelAdapter,
+    SequenceLength,
     check_image_size,
-    draw_noise,
-    negatives_for,
-    refuse_system_prompt,
-    scheduler_sigmas,
-    sequence_length_kwargs,
-    shift_factor,
-    uses_cfg,
 )
 from flowgrpo_cli.models.guidance import apply_cfg
 
 
 @dataclass(frozen=True)
-class SD3Adapter(PipelinePlacement):
+class SD3Adapter(ModelAdapter):
     pipeline: StableDiffusion3Pipeline
     family: ClassVar[str] = "sd3"
-
-    @property
-    def transformer(self) -> torch.nn.Module:
-        return self.pipeline.transformer
+    default_max_shift: ClassVar[float] = 1.16
 
     @property
     def default_lora_targets(self) -> list[str]:
@@ -64,78 +58,39 @@ class SD3Adapter(PipelinePlacement):
                 )
         return (config.in_channels, height // factor, width // factor)
 
-    @torch.no_grad()
-    def encode_prompts(
-        self,
-        prompts: list[str],
-        negative_prompts: list[str] | None,
-        *,
-        guidance_scale: float,
-        max_sequence_length: int | None = None,
-        system_prompt: str | None = None,
-    ) -> Conditioning:
-        refuse_system_prompt(self.family, system_prompt)
-        cfg = guidance_scale > 1.0
+    def _encode_prompts(
+        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+    ) -> dict[str, torch.Tensor]:
+        cfg = negatives is not None
         embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(
             prompt=prompts,
-            prompt_2=None,
-            prompt_3=None,
+            # diffusers annotates prompt_2 and prompt_3 without None, yet reads None as "the
+            # same as prompt" (`prompt_2 or prompt`), as the pipeline's __call__ passes it.
+            prompt_2=None,  # type: ignore[arg-type]
+            prompt_3=None,  # type: ignore[arg-type]
             device=self.device,
             do_classifier_free_guidance=cfg,
-            negative_prompt=negatives_for(prompts, negative_prompts) if cfg else None,
-            **sequence_length_kwargs(max_sequence_length),
+            negative_prompt=negatives,
+            **length,
         )
         # [B, 77 + T5 length, 4096 on SD3.5] tokens (CLIP padded to T5's width), [B, 2048] pooled
         tensors = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
         if cfg:
             tensors["negative_prompt_embeds"] = negative_embeds
             tensors["negative_pooled_prompt_embeds"] = negative_pooled
-        return Conditioning(tensors)
+        return tensors
 
-    def initial_latents(
-        self, generators: list[torch.Generator], height: int, width: int
-    ) -> torch.Tensor:
-        return draw_noise(generators, self.latent_shape(height, width), self.device)
-
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        mu = self._mu(height, width)
-        if mu is None:
-            return scheduler_sigmas(self.pipeline, num_steps)
-        return scheduler_sigmas(self.pipeline, num_steps, mu=mu)
-
-    def time_shift(self, height: int, width: int) -> float:
-        return shift_factor(self.pipeline.scheduler.config, self._mu(height, width))
-
-    def _mu(self, height: int, width: int) -> float | None:
-        """The resolution-dependent shift exponent, or None for SD3.5's static shift."""
-        config = self.pipeline.scheduler.config
-        if not config.get("use_dynamic_shifting", False):
-            return None
+    def _image_tokens(self, height: int, width: int) -> int:
         _, h, w = self.latent_shape(height, width)
         patch = self.transformer.config.patch_size
-        return calculate_shift(
-            (h // patch) * (w // patch),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
-        )
+        return (h // patch) * (w // patch)
 
-    def velocity(
-        self,
-        latents: torch.Tensor,
-        sigma: torch.Tensor,
-        cond: Conditioning,
-        *,
-        guidance_scale: float,
+    def _velocity(
+        self, latents: torch.Tensor, t: torch.Tensor, cond: Conditioning, scale: float, cfg: bool
     ) -> torch.Tensor:
-        cfg = uses_cfg(cond, guidance_scale, self.family)
         dtype, device = self.transformer_dtype, latents.device
         hidden = latents.to(dtype)  # [B, C, h, w]
-        # The pipeline's timestep is the scheduler's t = sigma * num_train_timesteps, in float32.
-        num_train_timesteps = self.pipeline.scheduler.config.num_train_timesteps
-        sigma = sigma.to(device, torch.float32).expand(latents.shape[0])  # [B]
-        timestep = sigma * num_train_timesteps
+        timestep = t  # the pipeline's timestep is the scheduler's t itself, in float32
         embeds = cond["prompt_embeds"]  # [B, L, D]
         pooled = cond["pooled_prompt_embeds"]  # [B, P]
         if cfg:
@@ -154,11 +109,4 @@ class SD3Adapter(PipelinePlacement):
         if not cfg:
             return out
         v_uncond, v_cond = out.chunk(2)
-        return apply_cfg(v_uncond, v_cond, guidance_scale)
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        vae = self.pipeline.vae
-        scaled = latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(scaled.to(self.device, self.vae_dtype), return_dict=False)[0]
-        return self.pipeline.image_processor.postprocess(image.float(), output_type="pt")
+        return apply_cfg(v_uncond, v_cond, scale)
