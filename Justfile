@@ -136,6 +136,7 @@ bench *ARGS: setup
 test: setup
     {{venv}}/bin/ruff check .
     {{venv}}/bin/ruff format --check .
+    {{venv}}/bin/mypy
     {{offline}} {{python}} -m pytest --numprocesses auto --maxprocesses 4 --dist loadfile
 
 # vllm-omni 0.30 pins diffusers 0.40, so it gets its own environment. 1.7 GB download, 6.6 GB.

@@ -31,8 +31,7 @@ def storage_error(err: OSError, path: object = None) -> FlowGrpoError | None:
     """`err` as a FlowGrpoError naming `path` (or the file the OS named) when it is a full or
     read-only disk, a permission error, a file-size limit or a path too long; None for any
     other error, which stays a bug and keeps its traceback."""
-    hint = _STORAGE_HINTS.get(err.errno)
-    if hint is None:
+    if err.errno is None or (hint := _STORAGE_HINTS.get(err.errno)) is None:
         return None
     where = path if path is not None else err.filename
     prefix = f"{where}: " if where is not None else ""

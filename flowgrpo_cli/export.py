@@ -17,12 +17,15 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.model_card import CONFIG_COPY, model_card
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.rundir import RunDir, read_manifest, verify_part, verify_stage
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,9 @@ def _write_pipeline(config: Config, weights: Path, folder: Path, dtype: str | No
     pipeline.save_pretrained(folder)
 
 
-def _load_transformer(transformer: Any, state: dict[str, Any], path: Path) -> None:
+def _load_transformer(
+    transformer: torch.nn.Module, state: dict[str, torch.Tensor], path: Path
+) -> None:
     """Full weights into the base transformer: every parameter must be there. The EMA file
     holds parameters only; the buffers (SD3's positional table) stay the base's, as in training.
     """

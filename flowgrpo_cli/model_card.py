@@ -129,8 +129,11 @@ class BaseModelInfo:
             family = None
         transformer = json_file("transformer/config.json")
         vae = json_file("vae/config.json")
-        known = family is not None and isinstance(transformer.get("in_channels"), int)
-        channels = latent_channels(family, transformer) if known else None
+        channels = (
+            latent_channels(family, transformer)
+            if family is not None and isinstance(transformer.get("in_channels"), int)
+            else None
+        )
         factor = vae_scale_factor(vae) if family is not None else None
         scheduler = json_file("scheduler/scheduler_config.json").get("_class_name")
         readme = _base_file(folder if local else None, path, "README.md")

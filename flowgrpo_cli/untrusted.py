@@ -47,7 +47,10 @@ def nesting_depth_over(text: str, limit: int) -> bool:
 
 
 def loads(text: str | bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
-    """json.loads, with BadJSON for anything it would refuse or fail on."""
+    """json.loads, with BadJSON for anything it would refuse or fail on.
+
+    Any, as json.loads returns: the value is whatever the text holds, and each caller checks
+    the shape it expects."""
     if isinstance(text, bytes | bytearray):
         try:
             text = bytes(text).decode("utf-8")
@@ -74,7 +77,7 @@ def loads(text: str | bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
     return value
 
 
-def find_surrogate(value: Any) -> str | None:
+def find_surrogate(value: object) -> str | None:
     """The first lone surrogate in any string inside `value`, or None."""
     stack = [value]
     while stack:

@@ -151,7 +151,8 @@ def _window(
             f"window_range=({starts.start}, {starts.stop - 1}) draws the window's first step "
             "at random: pass rng"
         )
-    start = starts[0] if len(starts) == 1 else rng.choice(starts)
+    # One allowed start draws nothing: the generator's state stays as it was.
+    start = rng.choice(starts) if rng is not None and len(starts) > 1 else starts[0]
     return range(start, start + window_size)
 
 

@@ -272,6 +272,7 @@ def _draw_or_take(
                 f"the latents {tuple(mean.shape)}: they must match"
             )
         return next_latents.float()
+    assert generators is not None  # exactly one of the two was given
     noise = per_sample_noise(mean.shape, generators, mean.device)  # [B, ...]
     return mean + _per_row(std, mean) * noise
 

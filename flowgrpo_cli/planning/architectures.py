@@ -13,18 +13,23 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowgrpo_cli.errors import FlowGrpoError
+
+if TYPE_CHECKING:
+    import torch
 
 ARCHITECTURES_DIR = Path(__file__).resolve().parents[1] / "models" / "architectures"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # The CLIP models of the model rewards, as released (config.json of each hub repository):
-# benchmarks/reward_memory.py reads them from here too.
-CLIP_L14 = {  # openai/clip-vit-large-patch14
+# benchmarks/reward_memory.py reads them from here too. Each is a config.json's dict, as
+# CLIPConfig.from_dict takes it.
+CLIP_L14: dict[str, Any] = {  # openai/clip-vit-large-patch14
     "text_config": {
         "hidden_size": 768,
         "intermediate_size": 3072,
@@ -43,7 +48,8 @@ CLIP_L14 = {  # openai/clip-vit-large-patch14
     },
     "projection_dim": 768,
 }
-CLIP_H14 = {  # laion/CLIP-ViT-H-14-laion2B-s32B-b79K, and yuvalkirstain/PickScore_v1
+# laion/CLIP-ViT-H-14-laion2B-s32B-b79K, and yuvalkirstain/PickScore_v1
+CLIP_H14: dict[str, Any] = {
     "text_config": {
         "hidden_size": 1024,
         "intermediate_size": 4096,
@@ -101,8 +107,10 @@ class Architecture:
     largest_block: int  # parameters of the largest transformer block (FSDP gathers it)
     outside_blocks: int  # transformer parameters outside its blocks
     encoder_widths: dict[str, int] = field(default_factory=dict)
-    transformer_module: Any = field(default=None, repr=False)
-    _lora: dict[tuple, tuple[int, int]] = field(default_factory=dict, repr=False)
+    transformer_module: torch.nn.Module | None = field(default=None, repr=False)
+    _lora: dict[tuple[tuple[str, ...], int], tuple[int, int]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def inner(self) -> int:
@@ -136,9 +144,16 @@ class Architecture:
         if key not in self._lora:
             import copy
 
+            from diffusers.loaders.peft import PeftAdapterMixin
             from peft import LoraConfig
 
+            if self.transformer_module is None:
+                raise FlowGrpoError(f"{self.source}: built without its transformer module")
             module = copy.deepcopy(self.transformer_module).requires_grad_(False)
+            if not isinstance(module, PeftAdapterMixin):
+                raise FlowGrpoError(
+                    f"{self.source}: {type(module).__name__} takes no LoRA adapter (add_adapter)"
+                )
             config = LoraConfig(r=rank, lora_alpha=rank, target_modules=targets)
             try:
                 module.add_adapter(config)
@@ -269,6 +284,8 @@ def build(
     name: str, source: str, index: dict[str, Any], configs: dict[str, dict[str, Any]]
 ) -> Architecture:
     """Build every component with a config on the meta device and count it."""
+    from diffusers.configuration_utils import ConfigMixin
+
     from flowgrpo_cli.models import family_of
 
     pipeline_class = index.get("_class_name")
@@ -279,7 +296,7 @@ def build(
         raise FlowGrpoError(f"{source}: no transformer config (transformer/config.json)")
     _quiet()
     components: dict[str, Component] = {}
-    modules: dict[str, Any] = {}
+    modules: dict[str, torch.nn.Module] = {}
     for component, config in configs.items():
         spec = index.get(component)
         if not isinstance(spec, list) or len(spec) != 2 or spec[0] is None:
@@ -289,6 +306,10 @@ def build(
         modules[component] = module
         components[component] = _count(component, class_name, module, library)
     transformer = modules["transformer"]
+    if not isinstance(transformer, ConfigMixin):
+        raise FlowGrpoError(
+            f"{source}: the transformer, {type(transformer).__name__}, is not a diffusers model"
+        )
     blocks, largest, inside = _blocks(family, transformer)
     scale = vae_scale_factor(configs.get("vae", {})) or 8  # diffusers' default VAE: 4 levels
     widths = {
@@ -323,7 +344,9 @@ def _quiet() -> None:
         library.set_verbosity_error()
 
 
-def _meta_module(library: str, class_name: str, config: dict[str, Any], where: str) -> Any:
+def _meta_module(
+    library: str, class_name: str, config: dict[str, Any], where: str
+) -> torch.nn.Module:
     import torch
 
     try:
@@ -339,13 +362,13 @@ def _meta_module(library: str, class_name: str, config: dict[str, Any], where: s
         raise FlowGrpoError(f"{where}: cannot build {class_name} from its config: {err}") from None
 
 
-def _count(name: str, class_name: str, module: Any, library: str) -> Component:
+def _count(name: str, class_name: str, module: torch.nn.Module, library: str) -> Component:
     """Element counts; transformers' buffers (rotary frequencies) stay float32 when loaded,
     diffusers' (SD3's position embedding) take the model's dtype."""
     parameters = sum(p.numel() for p in module.parameters())
     buffers = sum(b.numel() for b in module.buffers() if b.is_floating_point())
 
-    def matching(patterns: Any) -> int:
+    def matching(patterns: Sequence[str] | None) -> int:
         if not patterns:
             return 0
         return sum(
@@ -366,12 +389,14 @@ def _count(name: str, class_name: str, module: Any, library: str) -> Component:
 
 
 # The blocks FSDP shards one by one (training.trainer._blocks): ModuleLists named *blocks.
-def _blocks(family: str, transformer: Any) -> tuple[dict[str, int], int, int]:
+def _blocks(family: str, transformer: torch.nn.Module) -> tuple[dict[str, int], int, int]:
     """(block kind -> count, parameters of the largest block, parameters in all blocks)."""
+    import torch
+
     kinds: dict[str, int] = {}
     largest = inside = 0
     for child_name, child in transformer.named_children():
-        if child.__class__.__name__ != "ModuleList" or not child_name.endswith("blocks"):
+        if not isinstance(child, torch.nn.ModuleList) or not child_name.endswith("blocks"):
             continue
         for block in child:
             if family == "sd3":
@@ -393,7 +418,7 @@ def reward_model_parameters(name: str) -> int:
     from transformers import CLIPConfig, CLIPModel
 
     with torch.device("meta"):
-        model = CLIPModel(CLIPConfig(**REWARD_CLIPS[name]))
+        model = CLIPModel(CLIPConfig.from_dict(REWARD_CLIPS[name]))
     return sum(p.numel() for p in model.parameters())
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as Bar
+    from rich.progress import TaskID
 
 
 class Progress(Protocol):
@@ -30,8 +34,8 @@ class RichProgress:
     """One rich progress bar per piece of work (`start` ... `finish`), with its rate."""
 
     def __init__(self) -> None:
-        self._bar = None
-        self._task = None
+        self._bar: Bar | None = None
+        self._task: TaskID | None = None
         self._unit = ""
 
     def start(self, description: str, total: int, unit: str = "images") -> None:
@@ -58,7 +62,7 @@ class RichProgress:
         self._task = self._bar.add_task(description, total=total, rate="")
 
     def advance(self, amount: int = 1) -> None:
-        if self._bar is None:
+        if self._bar is None or self._task is None:
             return
         self._bar.advance(self._task, amount)
         speed = self._bar.tasks[0].speed

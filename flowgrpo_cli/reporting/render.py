@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.markup import escape
@@ -10,6 +12,35 @@ from rich.table import Table
 
 from flowgrpo_cli.store.prompts import NO_TARGET, OTHER_REWARD_HINT
 from flowgrpo_cli.store.rundir import RunDir
+
+# What the renderings read of objects from the layers above reporting (which it may not import,
+# even for typing: tests/test_architecture.py), as protocols those objects satisfy.
+
+
+class RewardScores(Protocol):
+    """Per-image reward results: rewards.rewardset.ScoreResult."""
+
+    @property
+    def names(self) -> Sequence[str]: ...
+    @property
+    def columns(self) -> Mapping[str, Sequence[float | None]]: ...
+    @property
+    def reward(self) -> Sequence[float | None]: ...
+    @property
+    def reward_error(self) -> Sequence[str | None]: ...
+    @property
+    def details(self) -> Mapping[str, Mapping[str, Sequence[object]]]: ...
+
+
+class IterationLine(Protocol):
+    """A finished loop iteration: loop.IterationSummary."""
+
+    @property
+    def iteration(self) -> int: ...
+    @property
+    def metrics(self) -> Mapping[str, float]: ...
+    @property
+    def seconds(self) -> float: ...
 
 
 def render_prepare_summary(console: Console, run: RunDir, manifest: dict[str, Any]) -> None:
@@ -68,7 +99,7 @@ def render_metrics(console: Console, title: str, metrics: dict[str, float]) -> N
     console.print(table)
 
 
-def render_reward_table(console: Console, images: list, result: Any) -> None:
+def render_reward_table(console: Console, images: Sequence[Path], result: RewardScores) -> None:
     table = Table(show_edge=False)
     table.add_column("image")
     for name in result.names:
@@ -106,7 +137,7 @@ def checkpoint_name(iteration: int) -> str:
     return f"checkpoint iter-{iteration:06d}"
 
 
-def render_iteration(console: Console, summary: Any) -> None:
+def render_iteration(console: Console, summary: IterationLine) -> None:
     """One line per finished loop iteration: the numbers people watch."""
     m = summary.metrics
     parts = [f"[bold]iteration {summary.iteration}[/]", f"{summary.seconds:.1f} s"]

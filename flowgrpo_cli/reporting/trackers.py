@@ -20,10 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Any, Protocol, cast
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.config import Config, to_dict
@@ -38,11 +39,15 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
+# (run, project, name, hyperparameters) -> an open tracker.
+_Builder = Callable[[RunDir, str, str, dict[str, Any]], Tracker]
+
+
 def hyperparameters(config: Config) -> dict[str, Any]:
     """The config as flat `section.key` values; lists and tables as JSON text."""
     flat: dict[str, Any] = {}
 
-    def walk(prefix: str, value: Any) -> None:
+    def walk(prefix: str, value: object) -> None:
         if isinstance(value, dict) and not prefix.endswith("weights"):
             for key, inner in value.items():
                 walk(f"{prefix}.{key}" if prefix else key, inner)
@@ -108,11 +113,15 @@ def open_trackers(config: Config, run: RunDir, names: list[str]) -> Iterator[lis
     """The trackers `names` (from active_trackers), given the config, closed on the way out."""
     name = config.log.name or run.root.name
     params = hyperparameters(config)
-    builders = {"tensorboard": _TensorBoard, "wandb": _wandb, "trackio": _trackio}
+    builders: dict[str, _Builder] = {
+        "tensorboard": _TensorBoard,
+        "wandb": _wandb,
+        "trackio": _trackio,
+    }
     trackers: list[Tracker] = []
     try:
-        for tracker in names:
-            trackers.append(builders[tracker](run, config.log.project, name, params))
+        for kind in names:
+            trackers.append(builders[kind](run, config.log.project, name, params))
         yield trackers
     finally:
         for tracker in trackers:
@@ -133,12 +142,15 @@ class _TensorBoard:
     def __init__(self, run: RunDir, project: str, name: str, params: dict[str, Any]):
         from torch.utils.tensorboard import SummaryWriter
         from torch.utils.tensorboard.summary import hparams
+        from torch.utils.tensorboard.writer import FileWriter
 
         self._writer = SummaryWriter(log_dir=str(run.root / "tensorboard"))
         # The HPARAMS tab, in this run's own event file (add_hparams would start another run).
         shown = {k: v for k, v in params.items() if isinstance(v, int | float | str | bool)}
+        # Opened by SummaryWriter.__init__ (torch declares the attribute as None).
+        file_writer = cast(FileWriter, self._writer.file_writer)
         for summary in hparams(shown, {"eval/reward_mean": 0.0}):
-            self._writer.file_writer.add_summary(summary)
+            file_writer.add_summary(summary)
 
     def log(self, step: int, metrics: dict[str, float], images: dict[str, Path]) -> None:
         import numpy as np
@@ -161,7 +173,8 @@ class _TensorBoard:
 class _HostedRun:
     """W&B and trackio, which share their calls: init, Image, Run.log(step=), Run.finish."""
 
-    def __init__(self, module: Any, **init: Any):
+    # `module` is wandb or trackio; `init` goes to its init() as keywords.
+    def __init__(self, module: ModuleType, **init: object):
         self._module = module
         self._run = module.init(**init)
 

@@ -7,10 +7,21 @@ missing, a value of another type) is still refused with the file, the row and th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import RunDir
+
+
+class PromptTableRow(TypedDict):
+    """One row of a prompt table as read_split returns it (checked against COLUMNS)."""
+
+    prompt_index: int
+    prompt: str
+    ground_truth: str | None
+    negative_prompt: str | None
+    system_prompt: str | None
+
 
 # The columns the stages read, and what each value may be (None: a null is allowed).
 COLUMNS: dict[str, tuple[type, ...]] = {
@@ -22,7 +33,7 @@ COLUMNS: dict[str, tuple[type, ...]] = {
 }
 
 
-def read_split(run: RunDir, split: str) -> list[dict[str, Any]]:
+def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
     """The rows of data/SPLIT.parquet (`train` or `test`), with the columns stages read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -36,7 +47,7 @@ def read_split(run: RunDir, split: str) -> list[dict[str, Any]]:
     missing = sorted(set(COLUMNS) - set(table.column_names))
     if missing:
         raise FlowGrpoError(f"{path} lacks column(s) {missing}: {redo}")
-    rows = table.select(list(COLUMNS)).to_pylist()
+    rows = table.select(list(COLUMNS)).to_pylist()  # PromptTableRow each, once checked
     for number, row in enumerate(rows):
         for column, kinds in COLUMNS.items():
             value = row[column]

@@ -82,6 +82,7 @@ def _row(
     if not isinstance(prompt, str) or not prompt.strip():
         return PromptProblem(source, "empty prompt")
     prompt = prompt.strip()
+    target: str | None
     if isinstance(ground_truth, str) and ground_truth.strip():
         target = ground_truth.strip()
     else:

@@ -251,7 +251,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         handle.write(data)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
+def atomic_write_json(path: Path, obj: object) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
@@ -320,6 +320,10 @@ def part_entry(path: Path, name: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # Manifests
+#
+# A manifest is a JSON object read back from disk, hence dict[str, Any]: read_manifest checks
+# the keys every manifest has (_manifest_problem), and each stage the ones it reads
+# (store.contract types the manifests later stages read).
 
 
 def read_manifest(stage_dir: Path) -> dict[str, Any] | None:
@@ -349,7 +353,7 @@ _MANIFEST_KEYS = {"schema_version": int, "stage": str, "identity": dict, "counts
 _PART_KEYS = {"name": str, "bytes": int}
 
 
-def _manifest_problem(manifest: Any) -> str | None:
+def _manifest_problem(manifest: object) -> str | None:
     """What makes `manifest` unlike the ones StageWriter.finish writes, or None."""
     if not isinstance(manifest, dict):
         return f"a JSON {type(manifest).__name__}, not an object"

@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import numpy as np
 import pyarrow as pa
@@ -161,7 +162,12 @@ class ArrowPartWriter:
         self._writer.write_batch(batch)
         self.rows += batch.num_rows
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._writer is not None and exc_type is None:
             self._writer.close()
         self._file_cm.__exit__(exc_type, exc, tb)

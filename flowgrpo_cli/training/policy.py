@@ -19,6 +19,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -26,6 +27,9 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models import ModelAdapter, load_adapter
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.rundir import RunDir, atomic_file, read_manifest, sha256_file, verify_stage
+
+if TYPE_CHECKING:
+    from diffusers.models.modeling_utils import ModelMixin
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' default LoRA file name
 FULL_WEIGHTS = "transformer.safetensors"
@@ -38,27 +42,43 @@ ADAPTER_NAME = "default"  # the name diffusers' add_adapter gives the one adapte
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _LoraLayer(Protocol):
+    """What the policy uses of peft's LoRA layers (lora.Linear and its kin): peft's common
+    base, BaseTunerLayer, declares no get_delta_weight."""
+
+    @property
+    def active_adapters(self) -> list[str]: ...
+
+    def enable_adapters(self, enabled: bool) -> None: ...
+
+    def get_base_layer(self) -> torch.nn.Module: ...
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor: ...
+
+
 @dataclass
 class Policy:
     adapter: ModelAdapter
     mode: str  # "lora" or "full"
     device: torch.device
     version: str  # "base", or "iter-N:<sha of the weights file>": which weights are loaded
-    _lora_layers: list[torch.nn.Module] | None = field(default=None, repr=False)
+    _lora_layers: list[_LoraLayer] | None = field(default=None, repr=False)
 
     @property
-    def transformer(self) -> torch.nn.Module:
+    def transformer(self) -> ModelMixin:
         return self.adapter.transformer
 
     @property
-    def lora_layers(self) -> list[torch.nn.Module]:
+    def lora_layers(self) -> list[_LoraLayer]:
         """peft's LoRA-wrapped layers of the transformer, found once (LoRA mode)."""
         if self._lora_layers is None:
             from peft.tuners.tuners_utils import BaseTunerLayer
 
-            self._lora_layers = [
-                m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)
-            ]
+            # cast: the only adapter attached is a LoRA one, so its layers are peft's LoRA layers.
+            self._lora_layers = cast(
+                "list[_LoraLayer]",
+                [m for m in self.transformer.modules() if isinstance(m, BaseTunerLayer)],
+            )
         return self._lora_layers
 
     @contextlib.contextmanager
@@ -108,9 +128,12 @@ class Policy:
         with torch.no_grad(), self.adapters_disabled():
             try:
                 for layer, base in zip(self.lora_layers, bases, strict=True):
-                    saved.append((base, base.weight))
+                    # cast: a base layer's weight is a Parameter; torch types a module's
+                    # attributes as Tensor | Module.
+                    weight = cast(torch.Tensor, base.weight)
+                    saved.append((base, weight))
                     delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters)
-                    base.weight = torch.nn.Parameter(base.weight + delta, requires_grad=False)
+                    base.weight = torch.nn.Parameter(weight + delta, requires_grad=False)
                 yield
             finally:
                 for base, weight in saved:
@@ -121,7 +144,7 @@ class Policy:
 
 
 def attach_lora(
-    transformer: torch.nn.Module, *, rank: int, alpha: int, targets: list[str], seed: int
+    transformer: ModelMixin, *, rank: int, alpha: int, targets: list[str], seed: int
 ) -> None:
     """Add a trainable LoRA adapter; its gaussian A is drawn from `seed`, B starts at zero."""
     from peft import LoraConfig
@@ -178,12 +201,15 @@ def compute_in_bfloat16(transformer: torch.nn.Module, device: torch.device) -> N
     The forward is replaced on the instance by a bound method, so a deepcopy of the module
     (full mode's frozen reference) autocasts its own forward, not this one's.
     """
-    transformer.flowgrpo_autocast_device = device.type
+    # torch types Module.__setattr__'s value as Tensor | Module; any other value is stored too.
+    transformer.flowgrpo_autocast_device = device.type  # type: ignore[assignment]
     transformer.forward = types.MethodType(_autocast_forward, transformer)
 
 
 def _autocast_forward(module: torch.nn.Module, *args, **kwargs):
-    with torch.autocast(module.flowgrpo_autocast_device, dtype=torch.bfloat16):
+    # cast: compute_in_bfloat16 set it to a device type; torch types it as Tensor | Module.
+    device_type = cast(str, module.flowgrpo_autocast_device)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
         return type(module).forward(module, *args, **kwargs)
 
 
