@@ -89,13 +89,22 @@ learn *ARGS: setup
 rescore *ARGS: setup
     {{offline}} {{python}} examples/toy_ocr/rescore.py {{ARGS}}
 
-# AWM on 4 training prompts of the toy OCR base, 16 images each: their rollout reward (printed
-# per iteration) must climb toward 1 within minutes. On your own run: the same --set options
-# on its config (docs/troubleshooting.md, "When a run is flat").
-# The overfit check, the first thing to try when a run is flat.
-overfit iterations="30": setup
-    {{offline}} {{venv}}/bin/flowgrpo loop --config examples/toy_ocr/rl_awm.toml \
-        --run runs/toy-ocr-overfit --iterations {{iterations}} \
+# ALGORITHM on 4 training prompts of the toy OCR base, 16 images each, with its committed toy
+# config (examples/toy_ocr/rl_ALGORITHM.toml; flow_grpo: rl.toml): the rollout reward, printed
+# per iteration, must reach 0.85 within 30 iterations (docs/experiments.md has each
+# algorithm's row). On your own run: the same --set options on its config
+# (docs/troubleshooting.md, "When a run is flat").
+# The overfit check, the first thing to try when a run is flat: `just overfit flow_grpo`.
+overfit algorithm="awm" iterations="30": setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    export {{offline}}
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    config=examples/toy_ocr/rl_{{algorithm}}.toml
+    [ "{{algorithm}}" = flow_grpo ] && config=examples/toy_ocr/rl.toml
+    [ -f "$config" ] || { echo "no toy config for {{algorithm}}: $config" >&2; exit 1; }
+    "{{venv}}/bin/flowgrpo" loop --config "$config" \
+        --run runs/toy-ocr-overfit-{{algorithm}} --iterations {{iterations}} \
         --set data.train_prompts=4 --set algorithm.prompts_per_iteration=4 \
         --set algorithm.group_size=16 --set eval.every=0
 

@@ -101,7 +101,9 @@ def test_server_errors_reach_the_remote_reward_as_documented(server):
     assert "rw_moody:score" in str(err.value)
     with remote(url, max_retries=0, timeout_s=0.5) as rewards, pytest.raises(FlowGrpoError) as err:
         rewards.score(batch("slow"))
-    assert "no reply after 1 attempt" in str(err.value) and "0.5 s" in str(err.value)
+    # The socket's own timeout or the attempt's deadline, whichever fires first on a busy
+    # machine: either way the message names the setting that bounds the wait.
+    assert "no reply after 1 attempt" in str(err.value) and "timeout_s = 0.5" in str(err.value)
     # A malformed request: HTTP 400 saying what is wrong.
     parts = urllib.parse.urlsplit(url)
     for body, problem in [
