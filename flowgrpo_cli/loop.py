@@ -5,6 +5,12 @@ their files; it only keeps the policy, the trainer (optimizer, EMA) and the rewa
 alive between them. It starts at the run's first unfinished iteration, and each stage skips
 what is already on disk, so a killed loop re-run with the same command resumes where it was
 and ends with the same checkpoint bytes as an uninterrupted run.
+
+After each held-out evaluation it records the best one so far (RUN/best.json, whose checkpoint
+retention keeps) and applies the drift rule (store.evaluations): a warning line when the
+training reward rose while the held-out reward fell, and with eval.stop_on_drift a clean stop
+there. Both are derived from the stage folders, so a resumed loop agrees with an
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,13 +22,20 @@ from PIL import UnidentifiedImageError
 
 from flowgrpo_cli.engines import build_engine, engine_class
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.launch.distributed import barrier, dist_info, init_process_group, resolve_device
+from flowgrpo_cli.launch.distributed import (
+    barrier,
+    broadcast_object,
+    dist_info,
+    init_process_group,
+    resolve_device,
+)
 from flowgrpo_cli.ray_cluster import pool_scorer_in_rank
 from flowgrpo_cli.reporting.grid import GRID_GROUPS, GRID_PER_GROUP, GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.reporting.trackers import active_trackers, open_trackers, track
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest, ScoreManifest
+from flowgrpo_cli.store.evaluations import best_evaluation, drift_by_evaluation, write_best
 from flowgrpo_cli.store.metrics_log import read_log, rebuild
 from flowgrpo_cli.store.retention import apply_retention
 from flowgrpo_cli.store.rundir import (
@@ -55,8 +68,9 @@ def run_loop(
     on_iteration=None,
     on_note=None,
 ) -> list[IterationSummary]:
-    """Train until `iterations` are done; `on_iteration(summary)` after each one and
-    `on_note(text)` for what a user should know before the first (main rank only)."""
+    """Train until `iterations` are done (or eval.stop_on_drift stops the loop);
+    `on_iteration(summary)` after each one and `on_note(text)` for what a user should know
+    (the plan, drift warnings, the final evaluation, the best one; main rank only)."""
     from flowgrpo_cli.rewards.commands import build_rewards_from_config
     from flowgrpo_cli.stages import evaluate, prepare, rollout, score, update
 
@@ -89,23 +103,39 @@ def run_loop(
         if _eval_due(config, start, iterations):
             with trainer.ema_weights():
                 evaluate.run(config, run, start, engine, rewards, progress)
+        stop = None  # the evaluation the loop stops at (eval.stop_on_drift)
         if info.is_main:  # what a kill after the last checkpoint left unwritten
-            write_logs(run, start)
+            lines = write_logs(run, start, config)
             apply_retention(run, *_retention(config))
+            write_best(run)
+            ignored = config.eval.stop_on_drift and not _stops_on_drift(config)
+            if on_note is not None and start < iterations and ignored:
+                on_note(
+                    "note: eval.stop_on_drift has no effect: it needs eval.drift_window >= 2 "
+                    "and eval.every > 0"
+                )
+            if start < iterations:  # a loop that stopped here stops here again
+                stop = _check_drift(config, run, lines, start, on_note)
+        if start < iterations and _stops_on_drift(config):
+            stop = broadcast_object(stop)  # every rank stops, or none
         for iteration in range(start, iterations):
+            if stop is not None:
+                break
             started = time.perf_counter()
             with trainer.sampling_weights():  # nft samples with its anchor
                 rollout.run(config, run, iteration, engine, progress)
             scorer = pool_scorer_in_rank(config, run, iteration)  # None: the ranks score
             score.run(config, run, iteration, rewards, progress, parts_scorer=scorer)
             update.run(config, run, iteration, trainer, progress)
-            if _eval_due(config, iteration + 1, iterations):
+            evaluated = _eval_due(config, iteration + 1, iterations)
+            if evaluated:
                 with trainer.ema_weights():
                     evaluate.run(config, run, iteration + 1, engine, rewards, progress)
             barrier()
             if info.is_main:
-                apply_retention(run, *_retention(config))
-                lines = write_logs(run, iteration + 1)
+                apply_retention(run, *_retention(config))  # keeps the best's checkpoint
+                lines = write_logs(run, iteration + 1, config)
+                write_best(run)
                 latest = next(line for line in lines if line["iteration"] == iteration)
                 track(trackers, run, latest)
                 seconds = time.perf_counter() - started
@@ -116,10 +146,78 @@ def run_loop(
                 summaries.append(summary)
                 if on_iteration is not None:
                     on_iteration(summary)
+                if evaluated:
+                    stop = _check_drift(config, run, lines, iteration + 1, on_note)
+                    if iteration + 1 == iterations:
+                        stop = None  # the last evaluation: the loop ends here anyway
+                    if stop is not None:  # no iteration's line will carry this evaluation
+                        _report_final_evaluation(run, stop, trackers, on_note)
+            if evaluated and iteration + 1 < iterations and _stops_on_drift(config):
+                stop = broadcast_object(stop)  # every rank stops, or none
         if info.is_main:
-            fresh = start < iterations or iterations == 0  # else the trackers have it already
-            _report_final_evaluation(run, iterations, trackers if fresh else [], on_note)
+            if stop is not None:
+                _stop_message(run, stop, on_note)
+            else:
+                fresh = start < iterations or iterations == 0  # else the trackers have it
+                _report_final_evaluation(run, iterations, trackers if fresh else [], on_note)
+            _best_note(run, on_note)
     return summaries
+
+
+def _stops_on_drift(config: Config) -> bool:
+    """Whether eval.stop_on_drift can stop this loop: the drift rule on, evaluations made."""
+    return config.eval.stop_on_drift and config.eval.drift_window > 0 and config.eval.every > 0
+
+
+def _check_drift(
+    config: Config, run: RunDir, lines: list[dict], evaluated: int, on_note
+) -> int | None:
+    """After the evaluation eval/iter-`evaluated`: one warning line when the drift rule
+    (store.evaluations) finds the training reward rising while the held-out reward falls over
+    the window ending there. Returns `evaluated` when the loop is to stop there
+    (eval.stop_on_drift), else None."""
+    from flowgrpo_cli.reporting.render import describe_drift
+
+    window = config.eval.drift_window
+    drift = drift_by_evaluation(lines, window).get(evaluated) if window else None
+    if drift is None or not drift.drifting:
+        return None
+    if on_note is not None:
+        on_note(f"warning: {describe_drift(drift)}")
+    return evaluated if config.eval.stop_on_drift else None
+
+
+def _stop_message(run: RunDir, evaluated: int, on_note) -> None:
+    """Why the loop stopped before its last iteration, and where the best weights are."""
+    if on_note is None:
+        return
+    from flowgrpo_cli.reporting.render import updates
+
+    best = best_evaluation(run)
+    if best is None:
+        where = "no evaluation counts as best"
+    elif best.checkpoint is None:
+        where = "the base model stays the best held-out evaluation: no checkpoint beat it"
+    else:
+        where = (
+            f"the best held-out evaluation is eval/iter-{best.iteration:06d}, "
+            f"checkpoints/iter-{best.checkpoint:06d}: `flowgrpo export {run.root} OUT --best` "
+            "exports it"
+        )
+    on_note(
+        f"stopped (eval.stop_on_drift) at eval/iter-{evaluated:06d}, after {updates(evaluated)}: "
+        f"the held-out reward fell while the training reward rose; {where}. To go on, run "
+        "again with --set eval.stop_on_drift=false"
+    )
+
+
+def _best_note(run: RunDir, on_note) -> None:
+    """The loop's last line: the best held-out evaluation so far, when there is one."""
+    best = best_evaluation(run)
+    if best is not None and on_note is not None:
+        from flowgrpo_cli.reporting.render import describe_best
+
+        on_note(f"best held-out evaluation: {describe_best(best)}")
 
 
 def score_failures(run: RunDir, iteration: int) -> str:
@@ -135,8 +233,8 @@ def score_failures(run: RunDir, iteration: int) -> str:
 
 
 def _report_final_evaluation(run: RunDir, iterations: int, trackers, on_note) -> None:
-    """The evaluation after the last iteration (of the base, for -n 0): no iteration's line
-    carries it, so it is logged and shown here."""
+    """The evaluation after the last iteration (of the base, for -n 0; or the one the loop
+    stopped at on drift): no iteration's line carries it, so it is logged and shown here."""
     final = next((line for line in read_log(run) if line["iteration"] == iterations), {})
     evals = {k: v for k, v in final.items() if k.startswith("eval/")}
     if not evals:
@@ -180,9 +278,10 @@ def _eval_due(config: Config, iteration: int, iterations: int) -> bool:
     return bool(every) and (iteration % every == 0 or iteration == iterations)
 
 
-def write_logs(run: RunDir, last_iteration: int) -> list[dict]:
-    """Rewrite metrics.jsonl up to `last_iteration` and write the sample grids missing for the
-    iterations before it; returns the log's lines.
+def write_logs(run: RunDir, last_iteration: int, config: Config) -> list[dict]:
+    """Rewrite metrics.jsonl up to `last_iteration` (with the drift rule's `eval/drift` under
+    eval.drift_window) and write the sample grids missing for the iterations before it;
+    returns the log's lines.
 
     Both are derived from the stage folders, so writing them after each iteration and again on
     every start loses nothing to a kill at any point between.
@@ -190,7 +289,7 @@ def write_logs(run: RunDir, last_iteration: int) -> list[dict]:
     for iteration in range(last_iteration):
         if not run.samples_path(iteration).is_file():
             write_iteration_grid(run, iteration)
-    return rebuild(run, last_iteration)
+    return rebuild(run, last_iteration, drift_window=config.eval.drift_window)
 
 
 def write_iteration_grid(run: RunDir, iteration: int) -> None:

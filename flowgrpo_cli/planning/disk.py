@@ -98,8 +98,10 @@ def disk_items(
     from flowgrpo_cli.store.retention import kept_checkpoints
 
     keep_checkpoints, every = config.run.keep_checkpoints, config.run.checkpoint_every
-    # what stays at the end, plus the previous latest, kept until the next update finishes
-    checkpoints = min(n, len(kept_checkpoints(n, keep_checkpoints, every)) + 1)
+    # what stays at the end, plus the previous latest, kept until the next update finishes,
+    # plus the best held-out evaluation's, which retention keeps whatever the limits
+    best = 1 if config.eval.every > 0 else 0
+    checkpoints = min(n, len(kept_checkpoints(n, keep_checkpoints, every)) + 1 + best)
 
     cells = min(GRID_GROUPS, algorithm.prompts_per_iteration) * min(
         GRID_PER_GROUP, algorithm.group_size
@@ -135,7 +137,8 @@ def disk_items(
             f"checkpoint: {what}{copies_note} ({s.trained / 1e6:,.1f}M x "
             f"{'float32' if s.trained_bytes == 4 else config.model.dtype}), AdamW state "
             f"(kept: {'all' if every == 1 else f'every {every}-th and the latest'}"
-            f"{'' if keep_checkpoints == 0 else f', at most {keep_checkpoints}'})",
+            f"{'' if keep_checkpoints == 0 else f', at most {keep_checkpoints}'}"
+            f"{' + the best evaluated' if best else ''})",
             checkpoint,
             checkpoint * checkpoints,
         ),

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flowgrpo_cli.store.evaluations import METRIC, TRAIN_METRIC, Best, Drift
 from flowgrpo_cli.store.prompts import NO_TARGET, OTHER_REWARD_HINT
 from flowgrpo_cli.store.rundir import RunDir
 
@@ -135,6 +136,36 @@ def updates(count: int) -> str:
 def checkpoint_name(iteration: int) -> str:
     """`checkpoint iter-000029`: the folder name under checkpoints/."""
     return f"checkpoint iter-{iteration:06d}"
+
+
+def describe_best(best: Best) -> str:
+    """The best held-out evaluation in one line: which, its weights, its value."""
+    of = f"best of {best.evaluations} evaluation{'' if best.evaluations == 1 else 's'}"
+    if best.checkpoint is None:
+        return (
+            f"eval/iter-{best.iteration:06d}, the base model: {METRIC} {best.value:.4g} "
+            f"({of}; no checkpoint beat the base model)"
+        )
+    return (
+        f"eval/iter-{best.iteration:06d}, {checkpoint_name(best.checkpoint)} (the policy after "
+        f"{updates(best.iteration)}): {METRIC} {best.value:.4g} ({of})"
+    )
+
+
+def describe_drift(drift: Drift) -> str:
+    """The drift rule's finding in one line: which evaluations, both series and slopes."""
+    first, last = drift.points[0].iteration, drift.points[-1].iteration
+    trains = " -> ".join(f"{p.train:.4g}" for p in drift.points if p.train is not None)
+    held_out = " -> ".join(f"{p.held_out:.4g}" for p in drift.points)
+    verb = "rose" if drift.train_slope > 0 else "did not rise"
+    held_verb = "fell" if drift.held_out_slope < 0 else "did not fall"
+    return (
+        f"drift at eval/iter-{last:06d}: over {len(drift.points)} evaluations (eval/iter-"
+        f"{first:06d} to eval/iter-{last:06d}) the training {TRAIN_METRIC} {verb} ({trains}, "
+        f"least-squares slope {drift.train_slope:+.3g} per iteration) while the held-out "
+        f"{METRIC} {held_verb} ({held_out}, slope {drift.held_out_slope:+.3g} per iteration): "
+        "the policy may be exploiting the reward (see Troubleshooting, reward hacking)"
+    )
 
 
 def render_iteration(console: Console, summary: IterationLine) -> None:

@@ -602,6 +602,23 @@ class EvalSection:
     num_steps: int = _option(40, "ODE steps for evaluation images.", check=_at_least(2))
     guidance_scale: float = _option(4.5, "CFG scale for evaluation.", check=_at_least(1.0))
     num_prompts: int = _option(0, "Test prompts evaluated; 0 = all.", check=_at_least(0))
+    # Came after runs existed; they change no stage's output (only what the loop reports and
+    # where it stops), so they stay out of the hash, and of the evaluations' identity.
+    drift_window: int = _option(
+        3,
+        "Warn when, over the last k evaluations, the training reward rose while the held-out "
+        "eval/reward_mean fell (least-squares slopes against the iteration; the training "
+        "reward of an evaluation is the mean reward/mean of the iterations since the previous "
+        "one): one line in the loop's output, eval/drift = 1 in metrics.jsonl. 0 = off.",
+        check=lambda v: None if v == 0 or v >= 2 else "must be 0 (off) or at least 2",
+        affects_results=False,
+    )
+    stop_on_drift: bool = _option(
+        False,
+        "Stop the loop (exit 0) at an evaluation eval.drift_window finds drifting, naming the "
+        "best held-out evaluation's checkpoint (`flowgrpo export --best`).",
+        affects_results=False,
+    )
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Every stage writes its own metrics.json next to its manifest; the log is derived from them, so
 a resumed run never duplicates or loses a line. The experiment trackers are fed from it
-(reporting.trackers).
+(reporting.trackers). The drift rule's `eval/drift` is derived from the lines themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 from flowgrpo_cli import untrusted
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.evaluations import DRIFT_METRIC, drift_by_evaluation
 from flowgrpo_cli.store.rundir import ITERATION_STAGES, RunDir, atomic_write_bytes, read_metrics
 
 
@@ -23,10 +24,20 @@ def iteration_metrics(run: RunDir, iteration: int) -> dict[str, Any]:
     return line
 
 
-def rebuild(run: RunDir, last_iteration: int) -> list[dict[str, Any]]:
-    """Rewrite metrics.jsonl for iterations 0..last_iteration; returns the lines."""
+def rebuild(run: RunDir, last_iteration: int, *, drift_window: int) -> list[dict[str, Any]]:
+    """Rewrite metrics.jsonl for iterations 0..last_iteration; returns the lines.
+
+    Each evaluation's line that the drift rule assesses (`drift_window` > 0, eval.drift_window;
+    store.evaluations) gets `eval/drift`: 1 when the training reward rose while the held-out
+    reward fell over the window ending there, else 0."""
     lines = [iteration_metrics(run, n) for n in range(last_iteration + 1)]
     lines = [line for line in lines if len(line) > 1]
+    if drift_window:
+        drifts = drift_by_evaluation(lines, drift_window)
+        for line in lines:
+            drift = drifts.get(line["iteration"])
+            if drift is not None:
+                line[DRIFT_METRIC] = float(drift.drifting)
     text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
     atomic_write_bytes(run.metrics_path, text.encode())
     return lines

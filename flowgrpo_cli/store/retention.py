@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.evaluations import best_evaluation
 from flowgrpo_cli.store.rundir import (
     CHECKPOINT,
     EVAL,
@@ -84,11 +85,14 @@ def kept_checkpoints(finished: int, keep: int, every: int = 1) -> list[int]:
 
 def prune_checkpoints(run: RunDir, keep: int, every: int = 1) -> list[int]:
     """Delete the files of finished checkpoints that `kept_checkpoints` does not keep (the
-    latest always stays), leaving their manifest, marked pruned, so the iteration still counts
-    as finished. The manifest is rewritten first: a kill after it leaves files the next pass
-    deletes."""
+    latest always stays, and so does the best held-out evaluation's checkpoint, whatever the
+    limits), leaving their manifest, marked pruned, so the iteration still counts as finished.
+    The manifest is rewritten first: a kill after it leaves files the next pass deletes."""
     finished = run.current_iteration()
     kept = set(kept_checkpoints(finished, keep, every))
+    best = best_evaluation(run)  # derived from eval/ on every pass: never a stale record
+    if best is not None and best.checkpoint is not None:
+        kept.add(best.checkpoint)
     if len(kept) == finished:
         return []
     pruned = []

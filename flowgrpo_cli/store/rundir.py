@@ -79,6 +79,11 @@ class RunDir:
         return self.root / "metrics.jsonl"
 
     @property
+    def best_path(self) -> Path:
+        """The best held-out evaluation so far (store.evaluations.write_best)."""
+        return self.root / "best.json"
+
+    @property
     def lock_path(self) -> Path:
         return self.root / "run.lock"
 
@@ -193,14 +198,14 @@ def remove_temp_files(folder: Path, *, ended_only: bool = False) -> None:
 #: The folders a run's writers write into (and iter-NNNNNN); anything else in it is the user's.
 _RUN_FOLDERS = ("data", "checkpoints", "eval", "samples")
 _REPORT_FOLDER = "report"  # written by `flowgrpo report`, which takes no lock
-_ROOT_FILES = ("config.toml", "metrics.jsonl")  # what the run writes into its root
+_ROOT_FILES = ("config.toml", "metrics.jsonl", "best.json")  # what the run writes into its root
 _ITERATION_FOLDER = re.compile(r"iter-\d+")
 
 
 def remove_run_temp_files(root: Path) -> None:
     """Delete the temporary files that killed writers of the run at `root` left: in the run's
     own folders (data, iter-N, checkpoints, eval, samples, report) and beside its own root files
-    (config.toml, metrics.jsonl). Nothing else: not a folder the run does not own, not a
+    (config.toml, metrics.jsonl, best.json). Nothing else: not a folder the run does not own, not a
     nested run (`flowgrpo rollout --run r/parent` must not touch a live run r/parent/child),
     not through a link. In report/, written without the lock, only an ended process's files.
 
