@@ -554,6 +554,7 @@ def _evaluate(resolved: Any, evaluated: int) -> None:
     from flowgrpo_cli.reporting.progress import NullProgress, RichProgress
     from flowgrpo_cli.reporting.render import checkpoint_name, updates
     from flowgrpo_cli.stages import evaluate as stage
+    from flowgrpo_cli.store.evaluations import write_best
     from flowgrpo_cli.store.metrics_log import rebuild
 
     cfg = resolved.config
@@ -573,7 +574,9 @@ def _evaluate(resolved: Any, evaluated: int) -> None:
         result = stage.run(cfg, resolved.run, evaluated, engine, progress=progress)
     if not _is_main():
         return
-    rebuild(resolved.run, resolved.run.current_iteration())  # `flowgrpo report` reads the log
+    # `flowgrpo report` reads the log; a new evaluation may be the best
+    rebuild(resolved.run, resolved.run.current_iteration(), drift_window=cfg.eval.drift_window)
+    write_best(resolved.run)
     if evaluated == 0:
         what = "the base model" + (" (model.init_lora)" if cfg.model.init_lora else "")
     else:
@@ -828,12 +831,17 @@ def report(
     run: Annotated[Path, typer.Argument(help="The run directory.")],
 ) -> None:
     """Write RUN/report/index.html (self-contained) and PNG plots from the run's metrics."""
-    from flowgrpo_cli.reporting.report import write_report
+    from flowgrpo_cli.reporting.render import describe_best
+    from flowgrpo_cli.reporting.report import best_in_log, write_report
+    from flowgrpo_cli.store.metrics_log import read_log
     from flowgrpo_cli.store.rundir import RunDir
 
     if not run.is_dir():
         raise FlowGrpoError(f"{run} is not a run directory")
     console.print(f"report -> {write_report(RunDir(run))}")
+    best = best_in_log(read_log(RunDir(run)))
+    if best is not None:
+        console.print(f"best held-out evaluation: {describe_best(best)}", highlight=False)
 
 
 @app.command()
@@ -847,6 +855,14 @@ def export(
             "--iteration", "-i", help="Checkpoint to export (checkpoints/iter-N); default: latest."
         ),
     ] = None,
+    best: Annotated[
+        bool,
+        typer.Option(
+            "--best",
+            help="The checkpoint of the best held-out evaluation (highest eval/reward_mean; "
+            "best.json), as --iteration would name it.",
+        ),
+    ] = False,
     ema: Annotated[
         bool, typer.Option("--ema", help="The EMA weights (train.ema_decay > 0) instead.")
     ] = False,
@@ -884,6 +900,9 @@ def export(
     if dtype is not None and dtype not in ("float32", "bfloat16", "float16"):
         raise FlowGrpoError(f"--dtype {dtype}: choose float32, bfloat16 or float16")
     resolved = resolve_run(None, [], run, write=False)
+    if best:
+        iteration = _best_checkpoint(resolved, iteration)
+    # The card records --iteration N, the checkpoint --best named now: the best may change.
     options = {"--iteration": iteration, "--ema": ema, "--merged": merged, "--dtype": dtype}
     command = ["flowgrpo", "export", str(run), str(out)]
     for flag, value in options.items():
@@ -905,8 +924,41 @@ def export(
         f"{updates(done.iteration + 1)}), {done.weights} weights -> {done.folder}",
         highlight=False,
     )
+    if best and resolved.config.train.ema_decay > 0 and not ema:
+        console.print(
+            "note: the evaluations measured this checkpoint's EMA weights (train.ema_decay > 0): "
+            "add --ema to export the weights that were evaluated",
+            highlight=False,
+        )
     if push_to_hub:
         console.print(f"uploaded -> {upload(done.folder, push_to_hub, private=private)}")
+
+
+def _best_checkpoint(resolved: Any, iteration: int | None) -> int:
+    """The checkpoint `export --best` names: the best held-out evaluation's."""
+    from flowgrpo_cli.reporting.render import describe_best
+    from flowgrpo_cli.store.evaluations import best_evaluation
+
+    if iteration is not None:
+        raise FlowGrpoError(
+            f"--best and --iteration {iteration} name two checkpoints: give one (--best: the "
+            "best held-out evaluation's; --iteration N: checkpoints/iter-N)"
+        )
+    run = resolved.run
+    found = best_evaluation(run)
+    if found is None:
+        raise FlowGrpoError(
+            f"--best: {run.root} has no held-out evaluation yet (no finished eval/iter-N with "
+            "eval/reward_mean): train with eval.every > 0 (`flowgrpo loop`), or evaluate a "
+            "checkpoint with `flowgrpo evaluate`; --iteration N exports a checkpoint by number"
+        )
+    if found.checkpoint is None:
+        raise FlowGrpoError(
+            f"--best: the best held-out evaluation is the base model's ({describe_best(found)}): "
+            "no trained checkpoint to export; --iteration N exports one anyway"
+        )
+    console.print(f"best held-out evaluation: {describe_best(found)}", highlight=False)
+    return found.checkpoint
 
 
 @app.command()

@@ -13,7 +13,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.reporting.render import updates
+from flowgrpo_cli.reporting.render import describe_best, updates
+from flowgrpo_cli.store.evaluations import best_evaluation
 from flowgrpo_cli.store.rundir import (
     CHECKPOINT,
     EVAL,
@@ -112,11 +113,23 @@ def _describe_run(console: Console, run: RunDir) -> None:
             policy = f"the policy after {updates(int(suffix))}" if int(suffix) else "the base model"
             what = f" ({policy})"
         console.print(f"eval/{folder.name}{what}: {check.status(folder)}", highlight=False)
+    _describe_best(console, run, check)
     for number in _checkpoint_numbers(run):
         if number not in run.iterations():
             check.status(run.checkpoint_dir(number))
     console.print(f"current iteration: {run.current_iteration()}")
     check.summary(console)
+
+
+def _describe_best(console: Console, run: RunDir, check: _Verifier) -> None:
+    """One line: the best held-out evaluation (what best.json records), when there is one."""
+    try:
+        best = best_evaluation(run)
+    except FlowGrpoError as err:  # an evaluation's metrics.json that is not flowgrpo's
+        check.problems.append(str(err))
+        return
+    if best is not None:
+        console.print(f"best held-out evaluation: {escape(describe_best(best))}", highlight=False)
 
 
 def _checkpoint_numbers(run: RunDir) -> list[int]:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.reporting.render import describe_best
+from flowgrpo_cli.store.evaluations import METRIC, Best, best_of
 from flowgrpo_cli.store.metrics_log import read_log
 from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, remove_temp_files
 
@@ -115,6 +117,19 @@ def _grids(samples: Path) -> str:
     )
 
 
+def best_in_log(log: list[dict[str, Any]]) -> Best | None:
+    """The best held-out evaluation among the log's lines (store.evaluations' rule, on the
+    same eval/iter-N values the run's best.json is derived from)."""
+    return best_of((line["iteration"], line[METRIC]) for line in log if METRIC in line)
+
+
+def _best_line(log: list[dict[str, Any]]) -> str:
+    best = best_in_log(log)
+    if best is None:
+        return ""
+    return f"<p>Best held-out evaluation: {html.escape(describe_best(best))}.</p>"
+
+
 def _summary_table(log: list[dict[str, Any]]) -> str:
     columns = ["iteration", "reward/mean", "eval/reward_mean", "update/kl_reference",
                "update/kl_gaussian", "update/clipfrac", "update/logprob_gap_max",
@@ -170,6 +185,7 @@ def write_report(run: RunDir) -> Path:
 <p>{len([x for x in log if "update/loss" in x])} training iteration(s).
 Train reward: mean over each iteration's rollout images. Eval: ODE sampling of fixed held-out
 prompts with fixed seeds.</p>
+{_best_line(log)}
 <h2>Curves</h2><div class="plots">{"".join(plots)}</div>
 <h2>Iterations</h2>
 <p>Row N is iteration N: its rollout, sampled by the policy after N updates, its scores, and
