@@ -168,17 +168,33 @@ def _window_starts(window_range: Sequence[int] | None) -> range:
     return range(int(window_range[0]), int(window_range[1]) + 1)
 
 
+WINDOW_ENDS: tuple[str, ...] = ("stay", "shrink", "roll_back")
+
+
 @dataclass(frozen=True)
 class WindowMotion:
     """How MixGRPO's SDE window moves with training (Tencent-Hunyuan/MixGRPO,
-    fastvideo/utils/grpo_states.py): its first step starts at `lowest` and moves `stride` steps
-    each time it has stayed its stay, up to `highest`, where it stays (their default, no roll
-    back). The stay at a window start s:
+    fastvideo/utils/grpo_states.py `GRPOTrainingStates`): its first step starts at `lowest` and
+    moves `stride` steps each time it has stayed its stay. The stay at a window start s:
 
     - progressive: `shift_every` iterations;
     - decay: int(shift_every (1 - p) + shift_every_min p), at least shift_every_min, with
       p = s / (num_steps - 2) (their `max_timesteps`);
     - exp_decay: ceil(shift_every exp(-decay_rate max(0, s - decay_threshold))).
+
+    What happens at the end, `end`:
+
+    - "stay": a move past `highest` stops there, and the window keeps its size (flowgrpo's
+      default, where `highest` defaults to num_steps - size - 1);
+    - "shrink": their code without `--roll_back`. The window's steps stop before step
+      num_steps - 2 (their `get_current_timesteps`: range(s, min(s + size, max_timesteps))),
+      so it shrinks as s passes num_steps - 2 - size; a move past `highest` (at most
+      num_steps - 3, the last start that keeps a step) stops there;
+    - "roll_back": their `--roll_back`, in their scripts: as "shrink", but a move past
+      `highest` restarts the window at `lowest` (`roll_back_start`).
+
+    Their code lets s reach num_steps - 2 itself, an empty window on which their update fails
+    (`ratio` is never assigned, train_grpo_flux.py); here `highest` stops one step short.
     """
 
     lowest: int
@@ -189,7 +205,8 @@ class WindowMotion:
     shift_every_min: int = 1
     decay_threshold: int = 13
     decay_rate: float = 0.1
-    num_steps: int = 0  # decay only: p's denominator is num_steps - 2
+    num_steps: int = 0  # decay, shrink and roll_back: their max_timesteps is num_steps - 2
+    end: str = "stay"
 
     def stay(self, start: int) -> int:
         """Iterations the window stays at `start` before it moves."""
@@ -208,13 +225,31 @@ class WindowMotion:
 
     def start(self, iteration: int) -> int:
         """The window's first step at `iteration`: its start after `iteration` updates."""
-        if self.schedule == "progressive":  # the closed form of the walk below
-            return min(self.lowest + (iteration // self.shift_every) * self.stride, self.highest)
+        if self.end not in WINDOW_ENDS:
+            raise FlowGrpoError(f"window end {self.end!r}: must be one of {list(WINDOW_ENDS)}")
+        roll_back = self.end == "roll_back" and self.stride > 0
+        if self.schedule == "progressive":  # the closed forms of the walk below
+            moves = iteration // self.shift_every
+            if roll_back:
+                positions = (self.highest - self.lowest) // self.stride + 1
+                return self.lowest + (moves % positions) * self.stride
+            return min(self.lowest + moves * self.stride, self.highest)
         start, stayed = self.lowest, 0
         for _ in range(iteration):
-            if start >= self.highest or self.stride == 0:
+            if not roll_back and (start >= self.highest or self.stride == 0):
                 break  # it stays there for good
             stayed += 1
             if stayed >= self.stay(start):
-                start, stayed = min(start + self.stride, self.highest), 0
+                start, stayed = start + self.stride, 0
+                if start > self.highest:
+                    start = self.lowest if roll_back else self.highest
         return start
+
+    def window(self, iteration: int, size: int) -> range:
+        """The window's steps at `iteration`: `size` steps from its start, cut before step
+        num_steps - 2 unless `end` is "stay"."""
+        start = self.start(iteration)
+        stop = start + size
+        if self.end != "stay":
+            stop = min(stop, self.num_steps - 2)
+        return range(start, stop)

@@ -255,6 +255,19 @@ class SamplerSection:
         check=_in_unit_interval,
         used_when=lambda sampler: sampler.post_window_compress < 1.0,
     )
+    # MixGRPO as its authors run it (Tencent-Hunyuan/MixGRPO, scripts/finetune/
+    # finetune_flux_grpo_MixGRPO*.sh); a later key too, out of the hash at its default.
+    window_end: Literal["stay", "shrink", "roll_back"] = _option(
+        "stay",
+        "mixgrpo: the window at the end of its slide. stay: it stops at window_range's hi "
+        "(default num_steps - window_size - 1) and keeps its size. shrink: its steps stop "
+        "before step num_steps - 2, so it shrinks once its start passes num_steps - 2 - "
+        "window_size, and it stops at hi (default num_steps - 3), as their "
+        "GRPOTrainingStates does without --roll_back (fastvideo/utils/grpo_states.py). "
+        "roll_back: as shrink, then it restarts at window_range's lo: their scripts' "
+        "--roll_back.",
+        used_when=lambda sampler: sampler.window_end != "stay",
+    )
     engine: Literal["diffusers", "vllm-omni"] = _option("diffusers", "Rollout engine.")
     merge_lora: bool = _option(
         False,

@@ -103,6 +103,8 @@ class Algorithm:
     default_anchor_decay: ClassVar[AnchorSchedule | None] = None
     # algorithm.anchor_decay may set it; False: the anchor is part of the algorithm itself.
     anchor_decay_configurable: ClassVar[bool] = True
+    # Its SDE window slides with training (MixGRPO), so sampler.window_end means something.
+    slides_window: ClassVar[bool] = False
     # Its loss output's fields -> how the update's metrics fold them (algorithm/loss.py).
     folds: ClassVar[dict[str, str]]
 
@@ -114,6 +116,12 @@ class Algorithm:
     def check(self) -> None:
         """Refuse settings this algorithm would ignore; rollout and update call it first."""
         self.anchor_schedule()
+        if self.config.sampler.window_end != "stay" and not self.slides_window:
+            raise FlowGrpoError(
+                f"sampler.window_end = {self.config.sampler.window_end!r} says where a sliding "
+                f'window ends (algorithm.name = "mixgrpo"); {self.name} does not slide one: '
+                "remove the key"
+            )
 
     def anchor_schedule(self) -> AnchorSchedule | None:
         """The anchor's decay schedule, or None when the algorithm keeps no anchor."""

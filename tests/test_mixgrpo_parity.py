@@ -1,0 +1,204 @@
+"""MixGRPO as its authors run it (Tencent-Hunyuan/MixGRPO, scripts/finetune/
+finetune_flux_grpo_MixGRPO*.sh, fastvideo/train_grpo_flux.py, fastvideo/utils/grpo_states.py):
+the options that reproduce their recipe, against values worked out by hand and a port of their
+window's state machine, and a check that configs which do not set them hash as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flowgrpo_cli.algorithm.schedule import WindowMotion
+from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.config import config_hash, load_config
+from flowgrpo_cli.training.algorithms import algorithm_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+# -- the window ------------------------------------------------------------------------------
+
+
+class TheirWindow:
+    """A port of GRPOTrainingStates (fastvideo/utils/grpo_states.py) as their scripts build it
+    (train_grpo_flux.py: cur_timestep 0, max_timesteps = sampling_steps - 2, prog_overlap on):
+    `update_iteration` for progressive, decay and exp_decay, and `get_current_timesteps`."""
+
+    def __init__(
+        self, iters: int, size: int, steps: int, strategy: str = "progressive", *,
+        overlap_step: int = 1, min_iters: int = 1, roll_back: bool = False,
+    ) -> None:  # fmt: skip
+        self.iters, self.size, self.max = iters, size, steps - 2
+        self.strategy, self.overlap_step, self.roll_back = strategy, overlap_step, roll_back
+        self.min_iters, self.cur, self.in_group = min_iters, 0, 0
+
+    def current(self) -> list[int]:
+        return list(range(self.cur, min(self.cur + self.size, self.max)))
+
+    def _iters(self) -> float:
+        if self.strategy == "decay":  # max_iters_per_group = iters here
+            progress = self.cur / self.max
+            return max(self.min_iters, int(self.iters * (1 - progress) + self.min_iters * progress))
+        if self.strategy == "exp_decay":
+            return float(np.ceil(self.iters * np.exp(-0.1 * max(0, self.cur - 13))))
+        return self.iters
+
+    def update(self) -> None:
+        self.in_group += 1
+        if self.in_group >= self._iters():
+            self.in_group = 0
+            self.cur += self.overlap_step
+        if self.cur > self.max:
+            if self.roll_back:
+                self.cur, self.in_group = 0, 0
+            else:
+                self.cur = self.max
+
+
+def their_windows(count: int, *args, **kwargs) -> list[list[int]]:
+    """Their window at each of `count` iterations (get_current_timesteps, then update)."""
+    states, out = TheirWindow(*args, **kwargs), []
+    for _ in range(count):
+        out.append(states.current())
+        states.update()
+    return out
+
+
+def motion(end: str, steps: int = 8, size: int = 3, **kw) -> WindowMotion:
+    highest = steps - size - 1 if end == "stay" else steps - 3  # MixGrpo's defaults
+    return WindowMotion(lowest=0, highest=highest, num_steps=steps, end=end, **kw)
+
+
+# 8 steps (their max_timesteps = 6), a 3-step window moving one step every 2 iterations.
+BY_HAND = {
+    "stay": [[0, 1, 2]] * 2 + [[1, 2, 3]] * 2 + [[2, 3, 4]] * 2 + [[3, 4, 5]] * 2
+    + [[4, 5, 6]] * 8,
+    "shrink": [[0, 1, 2]] * 2 + [[1, 2, 3]] * 2 + [[2, 3, 4]] * 2 + [[3, 4, 5]] * 2
+    + [[4, 5]] * 2 + [[5]] * 6,
+    "roll_back": [[0, 1, 2]] * 2 + [[1, 2, 3]] * 2 + [[2, 3, 4]] * 2 + [[3, 4, 5]] * 2
+    + [[4, 5]] * 2 + [[5]] * 2 + [[0, 1, 2]] * 2 + [[1, 2, 3]] * 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("end", sorted(BY_HAND))
+def test_window_positions_by_hand(end):
+    walk = motion(end, shift_every=2, stride=1)
+    assert [list(walk.window(k, 3)) for k in range(16)] == BY_HAND[end]
+
+
+@pytest.mark.parametrize("end", sorted(BY_HAND))
+def test_mixgrpo_trains_the_windows_by_hand(make_run, end):
+    config, _ = make_run("algorithm.name=mixgrpo", "sampler.num_steps=8",
+                         "sampler.window_size=3", "sampler.window_shift_every=2",
+                         f"sampler.window_end={end}", name=end)  # fmt: skip
+    method = algorithm_for(config)
+    method.check()
+    schedules = [method.step_schedule(k) for k in range(16)]
+    assert [list(s.stochastic_indices) for s in schedules] == BY_HAND[end]
+    assert [list(s.trained_indices) for s in schedules] == BY_HAND[end]
+
+
+@pytest.mark.parametrize("strategy", ["progressive", "decay", "exp_decay"])
+@pytest.mark.parametrize("stride", [1, 2, 0])
+def test_the_window_is_theirs_without_the_empty_ones(strategy, stride):
+    """With --roll_back, their window is ours once the windows on which their update fails
+    are left out: at s = num_steps - 2 it is empty, `ratio` is never assigned and
+    train_one_step raises. Without it, theirs is ours until that empty window, where ours
+    stays at its last step."""
+    steps, size, iters = 25, 4, 3 if strategy == "progressive" else 12
+    kw = {"schedule": strategy, "shift_every_min": 1, "decay_threshold": 13, "decay_rate": 0.1}
+    count = 400
+    theirs = their_windows(count, iters, size, steps, strategy, overlap_step=stride,
+                           roll_back=True)  # fmt: skip
+    ours = motion("roll_back", steps, size, shift_every=iters, stride=stride, **kw)
+    mine = [list(ours.window(k, size)) for k in range(count)]
+    kept = [w for w in theirs if w]
+    assert mine[: len(kept)] == kept
+    if stride == 1:  # 1 step per move lands on the empty window; 2 steps jump past it
+        assert len(kept) < count
+    theirs = their_windows(count, iters, size, steps, strategy, overlap_step=stride)
+    ours = motion("shrink", steps, size, shift_every=iters, stride=stride, **kw)
+    mine = [list(ours.window(k, size)) for k in range(count)]
+    first_empty = next((k for k, w in enumerate(theirs) if not w), count)
+    assert mine[:first_empty] == theirs[:first_empty]
+    assert all(w == mine[first_empty - 1] for w in mine[first_empty:])
+
+
+def test_their_script_window_reaches_its_end_after_500_iterations():
+    """finetune_flux_grpo_MixGRPO.sh: 25 steps, window 4, iters_per_group 25, stride 1. The
+    window first shrinks at iteration 21 * 25 = 525 ([21, 22]); their update fails at
+    23 * 25 = 575; with --roll_back, flowgrpo restarts it there."""
+    walk = motion("roll_back", 25, 4, shift_every=25, stride=1)
+    assert list(walk.window(499, 4)) == [19, 20, 21, 22]
+    assert list(walk.window(500, 4)) == [20, 21, 22]
+    assert list(walk.window(525, 4)) == [21, 22]
+    assert list(walk.window(574, 4)) == [22]
+    assert list(walk.window(575, 4)) == [0, 1, 2, 3]
+    assert their_windows(576, 25, 4, 25, roll_back=True)[575] == []
+
+
+def test_window_end_is_refused_where_it_means_nothing(make_run):
+    config, _ = make_run("sampler.window_size=2", "sampler.window_end=roll_back")
+    with pytest.raises(FlowGrpoError, match="window_end"):
+        algorithm_for(config).check()
+    config, _ = make_run("algorithm.name=mixgrpo", "sampler.num_steps=8",
+                         "sampler.window_size=3", "sampler.window_range=[0, 6]",
+                         "sampler.window_end=shrink", name="far")  # fmt: skip
+    with pytest.raises(FlowGrpoError, match="at or below 5"):
+        algorithm_for(config).check()
+
+
+# -- configs that do not set the new keys ----------------------------------------------------
+
+# config_hash of each example before these keys existed (commit e5f1c0b), its paths as the file
+# writes them. The FLUX MixGRPO recipes are left out: they set these keys, on purpose.
+HASHES_BEFORE = {
+    "defaults": "dbe6feaca0e2d3aa",
+    "examples/flux_dev_ocr.toml": "b67da2d598b5ff37",
+    "examples/qwen_image_ocr.toml": "9d9a499525bd15b3",
+    "examples/sd35m_ocr.toml": "9a70315720f6af25",
+    "examples/sd35m_ocr_awm.toml": "0c6bc908fc52270a",
+    "examples/sd35m_ocr_grpo_guard.toml": "3506385523e5b384",
+    "examples/sd35m_ocr_nft.toml": "e7167b002ecedfe6",
+    "examples/sd35m_ocr_pickscore.toml": "02b8d532f1498ad6",
+    "examples/tiny.toml": "20d0f3c1bf345653",
+    "examples/toy_ocr/rl.toml": "4e14a8dd89d29352",
+    "examples/toy_ocr/rl_awm.toml": "14ec0ed024ec5b7e",
+    "examples/toy_ocr/rl_grpo_guard.toml": "2b21917b75169c29",
+    "examples/toy_ocr/rl_mixgrpo.toml": "fd3fe8951092ee00",
+    "examples/toy_ocr/rl_nft.toml": "61417422924e721b",
+}
+NEW_KEYS_AT_DEFAULT = ('sampler.window_end="stay"',)
+
+
+def as_written(section, folder: Path):
+    """The config with its paths as written: relative to the file's folder (inputs) or to
+    the working directory (run.dir), so a hash does not depend on where the checkout is."""
+    changes = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            changes[f.name] = as_written(value, folder)
+        elif f.metadata.get("path"):
+            base = Path.cwd() if f.metadata["path"] == "output" else folder
+
+            def relative(path: str, base: Path = base) -> str:
+                return os.path.relpath(path, base) if path and os.path.isabs(path) else path
+
+            changes[f.name] = (
+                [relative(p) for p in value] if isinstance(value, list) else relative(value)
+            )
+    return dataclasses.replace(section, **changes)
+
+
+@pytest.mark.parametrize("name", sorted(HASHES_BEFORE))
+def test_configs_without_the_new_keys_hash_as_before(name, monkeypatch):
+    monkeypatch.chdir(REPO)
+    path = None if name == "defaults" else REPO / name
+    folder = REPO if path is None else path.parent
+    assert config_hash(as_written(load_config(path), folder)) == HASHES_BEFORE[name]
+    with_keys = load_config(path, NEW_KEYS_AT_DEFAULT)
+    assert config_hash(as_written(with_keys, folder)) == HASHES_BEFORE[name]
