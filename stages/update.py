@@ -127,7 +127,7 @@ def load_iteration(
     total = torch.from_numpy(rewards[kept])
     advantages = compute_advantages(
         total, group_ids, std_mode=config.algorithm.advantage_std,
-        clip=config.algorithm.advantage_clip,
+        clip=config.algorithm.advantage_clip, ddof=config.algorithm.advantage_std_ddof,
     )  # fmt: skip
     per_reward = {
         name: torch.from_numpy(

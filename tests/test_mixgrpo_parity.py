@@ -6,15 +6,22 @@ window's state machine, and a check that configs which do not set them hash as b
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from helpers import do_rollout, do_score
 
+from flowgrpo_cli.algorithm.advantages import compute_advantages
 from flowgrpo_cli.algorithm.schedule import WindowMotion
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.stages import update
 from flowgrpo_cli.store.config import config_hash, load_config
+from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.training.algorithms import algorithm_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,6 +158,61 @@ def test_window_end_is_refused_where_it_means_nothing(make_run):
         algorithm_for(config).check()
 
 
+# -- advantages ------------------------------------------------------------------------------
+
+
+def test_bessel_std_advantages_by_hand():
+    """Group 0, [1, 2, 3, 6]: mean 3, squares 4 + 1 + 0 + 9 = 14, std sqrt(14 / 3) with
+    n - 1 (sqrt(14 / 4) with n). Group 1 is flat and group 2 has one image: both 0."""
+    rewards = torch.tensor([1.0, 2.0, 3.0, 6.0, 5.0, 5.0, 7.0], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    for ddof, variance in ((1, 14 / 3), (0, 14 / 4)):
+        got = compute_advantages(rewards, groups, std_mode="group", ddof=ddof, clip=None)
+        std = math.sqrt(variance) + 1e-4
+        expected = [-2 / std, -1 / std, 0.0, 3 / std, 0.0, 0.0, 0.0]
+        torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float32))
+
+
+def test_bessel_std_over_the_iteration_by_hand():
+    """[1, 3] and [5, 7]: group means 2 and 6, so A = +-1 / std; the iteration's mean is 4,
+    its squares 9 + 1 + 1 + 9 = 20: std sqrt(20 / 3) with n - 1, sqrt(5) with n."""
+    rewards, groups = torch.tensor([1.0, 3.0, 5.0, 7.0]), torch.tensor([0, 0, 1, 1])
+    for ddof, std in ((1, math.sqrt(20 / 3)), (0, math.sqrt(5))):
+        got = compute_advantages(rewards, groups, std_mode="global", ddof=ddof)
+        a = 1 / (std + 1e-4)
+        torch.testing.assert_close(got, torch.tensor([-a, a, -a, a]))
+    one = compute_advantages(torch.tensor([2.0]), torch.tensor([0]), std_mode="global", ddof=1)
+    assert one.tolist() == [0.0]
+
+
+def test_a_group_of_12_scales_by_sqrt_11_over_12():
+    rewards = torch.rand(12, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    groups = torch.zeros(12, dtype=torch.long)
+    bessel = compute_advantages(rewards, groups, std_mode="group", ddof=1, eps=0.0, clip=None)
+    population = compute_advantages(rewards, groups, std_mode="group", eps=0.0, clip=None)
+    torch.testing.assert_close(bessel, population * math.sqrt(11 / 12))
+
+
+def test_the_update_takes_the_bessel_std(make_run):
+    """Groups of 2 images, rewards a and b: A = +-(|a - b| / 2) / (|a - b| / sqrt(2) + 1e-4),
+    about +-1 / sqrt(2), where the population std gives about +-1."""
+    config, run = make_run("algorithm.advantage_std=group", "algorithm.advantage_std_ddof=1")
+    do_rollout(config, run)
+    do_score(config, run)
+    version = RolloutManifest.read(run.stage_dir(0, ROLLOUT)).policy_version
+    data = update.load_iteration(config, run, 0, version)
+    by_group: dict[int, list[tuple[float, float]]] = {}
+    for group, reward, advantage in zip(*(data.table.column(c).to_pylist()
+                                          for c in ("group_id", "reward", "advantage")),
+                                        strict=True):  # fmt: skip
+        by_group.setdefault(group, []).append((reward, advantage))
+    assert sorted(len(pairs) for pairs in by_group.values()) == [2, 2]
+    for (a, advantage_a), (b, advantage_b) in by_group.values():
+        expected = (a - b) / 2 / (abs(a - b) / math.sqrt(2) + 1e-4)
+        assert advantage_a == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert advantage_b == pytest.approx(-expected, rel=1e-5, abs=1e-6)
+
+
 # -- configs that do not set the new keys ----------------------------------------------------
 
 # config_hash of each example before these keys existed (commit e5f1c0b), its paths as the file
@@ -171,7 +233,7 @@ HASHES_BEFORE = {
     "examples/toy_ocr/rl_mixgrpo.toml": "fd3fe8951092ee00",
     "examples/toy_ocr/rl_nft.toml": "61417422924e721b",
 }
-NEW_KEYS_AT_DEFAULT = ('sampler.window_end="stay"',)
+NEW_KEYS_AT_DEFAULT = ('sampler.window_end="stay"', "algorithm.advantage_std_ddof=0")
 
 
 def as_written(section, folder: Path):

@@ -1,9 +1,10 @@
 """Group-relative advantages: one scalar per image, from the whole iteration's rewards.
 
 A = (r - mean of r's group) / (std + eps), std the population std (ddof 0) of per-image
-rewards: over the whole iteration on every rank ("global", the paper's default), over the group
-("group"), or not at all ("none", Dr. GRPO: A = r - group mean). A group of one has nothing to
-compare with and gets 0. A is clipped to +-clip.
+rewards, or with Bessel's correction (ddof 1, n - 1 in the divisor, as MixGRPO's torch
+`.std()`): over the whole iteration on every rank ("global", the paper's default), over the
+group ("group"), or not at all ("none", Dr. GRPO: A = r - group mean). A group of one has
+nothing to compare with and gets 0. A is clipped to +-clip.
 
 The statistics take one reward per image, never a per-timestep expanded tensor: the advantage
 of an image must not depend on how many of its steps are trained. The update broadcasts A over
@@ -54,17 +55,21 @@ def compute_advantages(
     std_mode: StdMode = "global",
     eps: float = 1e-4,
     clip: float | None = 5.0,
+    ddof: int = 0,
 ) -> torch.Tensor:
     """Advantages [N] float32 for rewards [N] and group ids [N] (the whole iteration's).
 
     Statistics run in float64 so that a reward of one image cannot shift another's advantage
-    by rounding; ``clip=None`` turns clipping off.
+    by rounding; ``clip=None`` turns clipping off. ``ddof`` 1 divides the summed squares by
+    n - 1 instead of n (a single reward, which has none to spare, keeps a std of 0).
     """
     _check_rewards(rewards, group_ids)
     if rewards.numel() == 0:
         raise FlowGrpoError("no rewards: an iteration needs at least one scored image")
     if std_mode not in _DENOMINATORS:
         raise FlowGrpoError(f"std_mode={std_mode!r}: must be one of {sorted(_DENOMINATORS)}")
+    if ddof not in (0, 1):
+        raise FlowGrpoError(f"ddof={ddof}: must be 0 (population std) or 1 (Bessel's)")
     if not eps >= 0.0:
         raise FlowGrpoError(f"eps={eps}: must be >= 0")
     if clip is not None and not clip > 0.0:
@@ -73,7 +78,7 @@ def compute_advantages(
     r = rewards.to(torch.float64)  # [N]
     groups = _group(group_ids)
     centered = r - groups.mean(r)[groups.index]  # [N]; exactly 0 for a group of one
-    denominator = _DENOMINATORS[std_mode](r, centered, groups, eps)
+    denominator = _DENOMINATORS[std_mode](r, centered, groups, eps, ddof)
     advantages = centered / denominator
     # Sums of rewards near 1e308, or squares of rewards past 1e154, overflow to inf; an inf
     # std would quietly turn every advantage into 0.
@@ -88,23 +93,29 @@ def compute_advantages(
 
 
 def _global_std(
-    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float
+    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float, ddof: int
 ) -> torch.Tensor:
-    return r.std(correction=0) + eps  # scalar
+    if r.numel() <= ddof:  # one reward: no spread, and nothing to divide by
+        return torch.full((), eps, dtype=r.dtype)
+    return r.std(correction=ddof) + eps  # scalar
 
 
 def _group_std(
-    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float
+    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float, ddof: int
 ) -> torch.Tensor:
-    group_var = groups.mean(centered**2)  # [G], population variance
+    # [G]: a group of one has a sum of 0, and keeps a divisor of at least 1
+    group_var = groups.sum(centered**2) / (groups.sizes - ddof).clamp(min=1).to(r.dtype)
     return group_var.sqrt()[groups.index] + eps  # [N]
 
 
-def _no_std(r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float) -> torch.Tensor:
+def _no_std(
+    r: torch.Tensor, centered: torch.Tensor, groups: _Groups, eps: float, ddof: int
+) -> torch.Tensor:
     return torch.ones_like(r)  # Dr. GRPO: no division, so no eps either
 
 
-_DENOMINATORS: dict[str, Callable[[torch.Tensor, torch.Tensor, _Groups, float], torch.Tensor]] = {
+_Denominator = Callable[[torch.Tensor, torch.Tensor, _Groups, float, int], torch.Tensor]
+_DENOMINATORS: dict[str, _Denominator] = {
     "global": _global_std,
     "group": _group_std,
     "none": _no_std,

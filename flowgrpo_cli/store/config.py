@@ -503,6 +503,15 @@ class AlgorithmSection:
     advantage_std: Literal["global", "group", "none"] = _option(
         "global", "Std that divides advantages: over the iteration, per group, or none (Dr. GRPO)."
     )
+    # Came after runs existed: out of the hash at its default, as the window keys.
+    advantage_std_ddof: int = _option(
+        0,
+        "Delta degrees of freedom of the advantage std (global or group): 0 divides the "
+        "summed squares by n (the population std), 1 by n - 1 (Bessel's correction, as "
+        "MixGRPO's torch .std() in train_grpo_flux.py).",
+        check=lambda v: None if v in (0, 1) else "must be 0 or 1",
+        used_when=lambda algorithm: algorithm.advantage_std_ddof != 0,
+    )
     advantage_clip: float = _option(5.0, "Advantages are clipped to +-this.", check=_positive)
     clip_range: float = _option(1e-4, "PPO clip range eps of the policy ratio.", check=_positive)
     beta: float = _option(
