@@ -2,8 +2,9 @@
 
 Each rank writes one trajectory part (one row per image) and one conditioning part (one row
 per prompt group); rank 0 writes the manifest once every part exists. Which prompts an
-iteration uses, each sample's seed and the SDE window depend only on (run seed, iteration,
-prompt, k), never on batch size or rank count, so 1 and N processes write the same samples.
+iteration uses, each sample's seed (and its group's initial-noise seed, with
+sampler.same_noise_per_group) and the SDE window depend only on (run seed, iteration, prompt,
+k), never on batch size or rank count, so 1 and N processes write the same samples.
 """
 
 from __future__ import annotations
@@ -78,6 +79,12 @@ def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
             "the SDE window, and this config has none: set sampler.window_size (and a "
             "noise_level > 0), or leave them at 'euler' / 1.0"
         )
+    if sampler.same_noise_per_group and sampler.noise_level == 0:
+        raise FlowGrpoError(
+            "sampler.same_noise_per_group starts every image of a group from one noise, and "
+            "sampler.noise_level = 0 adds none after it: the group's images would all be the "
+            "same, with advantages of 0; set a noise_level > 0, or leave same_noise_per_group off"
+        )
     return SamplerSettings(
         kind=sampler.kind,
         noise_level=sampler.noise_level,
@@ -87,6 +94,8 @@ def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
         schedule=algorithm_for(config).step_schedule(iteration),
         post_window_solver=sampler.post_window_solver,
         post_window_compress=sampler.post_window_compress,
+        shift=sampler.shift,
+        same_noise_per_group=sampler.same_noise_per_group,
     )
 
 
@@ -111,6 +120,11 @@ def build_requests(
     for group in groups:
         index = chosen[group]
         row = rows[index]
+        # sampler.same_noise_per_group: one initial noise per group, from a seed of its own
+        # (run seed, iteration, prompt), so it is the same on any rank and in any batch.
+        noise_seed = None
+        if config.sampler.same_noise_per_group:
+            noise_seed = derive_seed(config.run.seed, iteration, index, "initial_noise")
         for k in range(config.algorithm.group_size):
             requests.append(
                 SampleRequest(
@@ -122,6 +136,7 @@ def build_requests(
                     ground_truth=row["ground_truth"],
                     negative_prompt=row["negative_prompt"] or "",
                     system_prompt=row["system_prompt"] or "",
+                    noise_seed=noise_seed,
                 )
             )
     return requests

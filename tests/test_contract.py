@@ -1,6 +1,7 @@
 """The rollout manifest's sampler settings: written and read back generically, field by field,
 in the same bytes as before, and an older manifest without a newer key still reads."""
 
+import dataclasses
 import json
 
 import pytest
@@ -81,3 +82,19 @@ def test_a_manifest_without_a_required_key_says_what_to_run(tmp_path):
     _write(tmp_path / "rollout", {**fields, "sampler": sampler})
     with pytest.raises(FlowGrpoError, match=r"lacks 'noise_level'.*flowgrpo rollout"):
         RolloutManifest.read(tmp_path / "rollout")
+
+
+def test_the_mixgrpo_sampler_keys_are_written_only_when_set(tmp_path):
+    """sampler.shift and sampler.same_noise_per_group: absent at their defaults (the bytes
+    above), written after the others when set, and read back."""
+    manifest = _manifest()
+    changed = dataclasses.replace(
+        manifest,
+        sampler=dataclasses.replace(manifest.sampler, shift=3.0, same_noise_per_group=True),
+    )
+    fields = changed.fields()
+    assert list(fields["sampler"])[-4:] == ["shift", "same_noise_per_group", "dtype", "sigmas"]
+    _write(tmp_path / "rollout", fields)
+    read = RolloutManifest.read(tmp_path / "rollout")
+    assert (read.sampler.shift, read.sampler.same_noise_per_group) == (3.0, True)
+    assert read == changed

@@ -13,15 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import do_rollout, do_score
+from helpers import do_rollout, do_score, stored_rows
 
 from flowgrpo_cli.algorithm.advantages import compute_advantages
 from flowgrpo_cli.algorithm.schedule import WindowMotion
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.stages import update
+from flowgrpo_cli.stages import rollout, update
 from flowgrpo_cli.store.config import config_hash, load_config
 from flowgrpo_cli.store.contract import RolloutManifest
 from flowgrpo_cli.store.rundir import ROLLOUT
+from flowgrpo_cli.store.seeding import derive_seed
 from flowgrpo_cli.training.algorithms import algorithm_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,6 +214,119 @@ def test_the_update_takes_the_bessel_std(make_run):
         assert advantage_b == pytest.approx(-expected, rel=1e-5, abs=1e-6)
 
 
+# -- the fixed shift -------------------------------------------------------------------------
+
+
+def test_fixed_shift_sigmas_are_diffusers_with_that_shift(tiny_adapter):
+    """FLUX.1-dev's scheduler config, 25 steps. sampler.shift = 3: diffusers'
+    FlowMatchEulerDiscreteScheduler(shift=3) on FluxPipeline's linspace(1, 1/25, 25), which is
+    their sd3_time_shift(3, linspace(1, 0, 26)). Step 12 (t = 0.52): 3 * 0.52 / (1 + 2 * 0.52)
+    = 1.56 / 2.04 = 0.76471. The model's own schedule at 720 x 720: 2025 tokens,
+    mu = 0.5 + (2025 - 256) * 0.65 / 3840 = 0.79944, e^mu = 2.22436,
+    sigma = 2.22436 / (2.22436 + 1 / 0.52 - 1) = 0.70672."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    adapter = tiny_adapter("flux")
+    fixed = adapter.sigmas(25, 720, 720, shift=3.0)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / 25, 25))
+    assert torch.equal(fixed, scheduler.sigmas.to(torch.float32))
+    t = torch.linspace(1, 0, 26, dtype=torch.float64)
+    torch.testing.assert_close(fixed.double(), 3 * t / (1 + 2 * t), rtol=0, atol=1e-6)
+    assert fixed[12].item() == pytest.approx(1.56 / 2.04, abs=1e-6)
+    assert adapter.sigmas(25, 720, 720)[12].item() == pytest.approx(0.70672, abs=1e-5)
+    assert torch.equal(adapter.sigmas(25, 64, 64, shift=3.0), fixed)  # not by resolution
+    assert adapter.time_shift(720, 720, shift=3.0) == 3.0
+
+
+def test_a_fixed_shift_equal_to_sd3s_own_changes_nothing(tiny_adapter):
+    adapter = tiny_adapter("sd3")  # SD3.5's scheduler: a static shift of 3 already
+    assert torch.equal(adapter.sigmas(10, 64, 64, shift=3.0), adapter.sigmas(10, 64, 64))
+    assert not torch.equal(adapter.sigmas(10, 64, 64, shift=1.0), adapter.sigmas(10, 64, 64))
+
+
+def test_rollout_samples_along_the_fixed_shift(make_run, tiny_adapter):
+    config, run = make_run("sampler.shift=3.0", family="flux")
+    do_rollout(config, run)
+    manifest = RolloutManifest.read(run.stage_dir(0, ROLLOUT))
+    expected = tiny_adapter("flux").sigmas(3, 64, 64, shift=3.0)
+    assert manifest.sampler.shift == 3.0
+    assert manifest.sigmas == tuple(expected.tolist())
+    rows, _ = stored_rows(run)
+    assert torch.equal(rows.timesteps[0], expected[:-1])
+
+
+# -- one initial noise per group -------------------------------------------------------------
+
+
+def initial_noise(adapter, seed: int) -> torch.Tensor:
+    return adapter.initial_latents([torch.Generator().manual_seed(seed)], 64, 64)[0]
+
+
+@pytest.mark.parametrize("name", ["flow_grpo", "grpo_guard", "mixgrpo"])
+def test_one_initial_noise_per_group_through_rollout(make_run, tiny_adapter, name):
+    config, run = make_run(f"algorithm.name={name}", "sampler.same_noise_per_group=true",
+                           "algorithm.group_size=3", "sampler.batch_size=2",
+                           "sampler.window_size=2", "sampler.window_shift_every=100")  # fmt: skip
+    do_rollout(config, run)
+    rows, _ = stored_rows(run)
+    first, second = rows.latents[:, 0], rows.latents[:, 1]  # the window starts at step 0
+    adapter = tiny_adapter("sd3")
+    for i, (group, prompt) in enumerate(zip(rows.group_ids, rows.prompt_indices, strict=True)):
+        seed = derive_seed(config.run.seed, 0, prompt, "initial_noise")
+        assert torch.equal(first[i], initial_noise(adapter, seed))
+        for j, other in enumerate(rows.group_ids):
+            assert torch.equal(first[i], first[j]) == (group == other)
+            if j != i:  # each image keeps its own SDE noise
+                assert not torch.equal(second[i], second[j])
+    manifest = RolloutManifest.read(run.stage_dir(0, ROLLOUT))
+    assert manifest.sampler.same_noise_per_group
+
+
+@pytest.mark.parametrize("name", ["nft", "awm"])
+def test_one_initial_noise_per_group_for_the_forward_process_methods(make_run, name):
+    config, run = make_run(f"algorithm.name={name}", "sampler.same_noise_per_group=true",
+                           "algorithm.group_size=3")  # fmt: skip
+    do_rollout(config, run)
+    rows, _ = stored_rows(run)  # the clean latents alone: the SDE noise tells them apart
+    clean = rows.latents[:, 0]
+    assert len({clean[i].sum().item() for i in range(len(rows.sample_ids))}) == 6
+
+
+def test_the_default_draws_each_images_own_initial_noise(make_run, tiny_adapter):
+    config, run = make_run("algorithm.group_size=3")
+    do_rollout(config, run)
+    rows, _ = stored_rows(run)
+    adapter = tiny_adapter("sd3")
+    for i, seed in enumerate(rows.seeds):
+        assert torch.equal(rows.latents[i, 0], initial_noise(adapter, seed))
+
+
+def test_the_group_noise_does_not_depend_on_rank_or_batch(make_run):
+    config, run = make_run("sampler.same_noise_per_group=true", "algorithm.group_size=3")
+    together = rollout.build_requests(config, run, 0, [0, 1])
+    apart = rollout.build_requests(config, run, 0, [1]) + rollout.build_requests(
+        config, run, 0, [0]
+    )
+    seeds = {r.sample_id: r.noise_seed for r in together}
+    assert seeds == {r.sample_id: r.noise_seed for r in apart}
+    assert len(set(seeds.values())) == 2  # one per group
+    again, run_b = make_run("sampler.same_noise_per_group=true", "algorithm.group_size=3",
+                            "sampler.batch_size=1", name="batch1")  # fmt: skip
+    do_rollout(config, run)
+    do_rollout(again, run_b)
+    a, b = stored_rows(run)[0], stored_rows(run_b)[0]
+    assert torch.equal(a.latents[:, 0], b.latents[:, 0])
+    # later states: the same noise, through forwards batched differently (float32 rounding)
+    assert (a.latents - b.latents).abs().max() < 1e-4
+
+
+def test_one_noise_per_group_needs_step_noise(make_run):
+    config, _ = make_run("sampler.same_noise_per_group=true", "sampler.noise_level=0")
+    with pytest.raises(FlowGrpoError, match="noise_level > 0"):
+        rollout.sampler_settings(config, 0)
+
+
 # -- configs that do not set the new keys ----------------------------------------------------
 
 # config_hash of each example before these keys existed (commit e5f1c0b), its paths as the file
@@ -233,7 +347,12 @@ HASHES_BEFORE = {
     "examples/toy_ocr/rl_mixgrpo.toml": "fd3fe8951092ee00",
     "examples/toy_ocr/rl_nft.toml": "61417422924e721b",
 }
-NEW_KEYS_AT_DEFAULT = ('sampler.window_end="stay"', "algorithm.advantage_std_ddof=0")
+NEW_KEYS_AT_DEFAULT = (
+    'sampler.window_end="stay"',
+    "sampler.shift=0.0",
+    "sampler.same_noise_per_group=false",
+    "algorithm.advantage_std_ddof=0",
+)
 
 
 def as_written(section, folder: Path):

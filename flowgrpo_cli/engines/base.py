@@ -34,6 +34,9 @@ class SampleRequest:
     ground_truth: str | None  # None: the prompt has no target
     negative_prompt: str
     system_prompt: str
+    # The seed of the generator the initial noise is drawn from (sampler.same_noise_per_group:
+    # one per group); None: the sample's own generator, which then draws its SDE noise too.
+    noise_seed: int | None = None
 
 
 class RolloutEngine(ABC):
@@ -48,9 +51,9 @@ class RolloutEngine(ABC):
     def __init__(self, policy: Policy, *, max_sequence_length: int):
         self.policy = policy
         self.max_sequence_length = max_sequence_length or None  # 0: the pipeline's default
-        # (steps, height, width) -> sigmas: the adapter rebuilds a scheduler to answer, and
-        # the answer never changes for a loaded model.
-        self._sigmas: dict[tuple[int, int, int], torch.Tensor] = {}
+        # (steps, height, width, shift) -> sigmas: the adapter rebuilds a scheduler to
+        # answer, and the answer never changes for a loaded model.
+        self._sigmas: dict[tuple[int, int, int, float], torch.Tensor] = {}
 
     @property
     def version(self) -> str:
@@ -77,7 +80,7 @@ class RolloutEngine(ABC):
     def sigmas(self, settings: SamplerSettings) -> torch.Tensor:
         """The sigmas [num_steps + 1] a batch with these settings is sampled along (the
         rollout manifest records them, and the update reads them back)."""
-        key = (settings.schedule.num_steps, settings.height, settings.width)
+        key = (settings.schedule.num_steps, settings.height, settings.width, settings.shift)
         if key not in self._sigmas:
             self._sigmas[key] = self.policy.adapter.sigmas(*key)
         return self._sigmas[key]
@@ -92,3 +95,14 @@ class RolloutEngine(ABC):
 def batches(requests: list[SampleRequest], size: int) -> Iterator[list[SampleRequest]]:
     for start in range(0, len(requests), size):
         yield requests[start : start + size]
+
+
+def noise_seeds(requests: list[SampleRequest]) -> list[int] | None:
+    """The initial-noise seeds of a batch (sample_batch's `noise_seeds`), or None when every
+    sample draws its initial noise from its own generator."""
+    seeds = [r.noise_seed for r in requests]
+    if all(seed is None for seed in seeds):
+        return None
+    if any(seed is None for seed in seeds):
+        raise ValueError("a batch mixes samples with and without a shared initial noise")
+    return [int(seed) for seed in seeds if seed is not None]

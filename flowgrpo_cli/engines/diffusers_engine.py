@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import contextlib
 
-from flowgrpo_cli.engines.base import GroupConditioning, RolloutEngine, SampleRequest
+from flowgrpo_cli.engines.base import (
+    GroupConditioning,
+    RolloutEngine,
+    SampleRequest,
+    noise_seeds,
+)
 from flowgrpo_cli.engines.sampling import SampledBatch, sample_batch
 from flowgrpo_cli.models import Conditioning
 from flowgrpo_cli.store.contract import SamplerSettings
@@ -39,4 +44,7 @@ class DiffusersEngine(RolloutEngine):
         sigmas = self.sigmas(settings)
         weights = self.policy.lora_merged() if self.merge_lora else contextlib.nullcontext()
         with weights:
-            return sample_batch(adapter, cond, [r.seed for r in requests], settings, sigmas)
+            return sample_batch(
+                adapter, cond, [r.seed for r in requests], settings, sigmas,
+                noise_seeds=noise_seeds(requests),
+            )  # fmt: skip

@@ -3,7 +3,9 @@
 The loop owns nothing but the order of calls: the adapter gives noise, sigmas, velocities and
 images; algorithm.sde gives the steps; algorithm.schedule says which steps are stochastic.
 Each sample draws its initial noise and every step's noise from its own generator, seeded per
-sample, so a sample is the same whatever batch or rank it was drawn in.
+sample, so a sample is the same whatever batch or rank it was drawn in. With
+sampler.same_noise_per_group the initial noise comes from a generator seeded per group instead
+(`noise_seeds`), and the sample's own generator draws its step noise alone.
 """
 
 from __future__ import annotations
@@ -37,11 +39,21 @@ def sample_batch(
     seeds: list[int],
     settings: SamplerSettings,
     sigmas: torch.Tensor,
+    noise_seeds: list[int] | None = None,
 ) -> SampledBatch:
-    """Denoise len(seeds) samples from noise to images along `sigmas` ([N + 1], ending in 0)."""
+    """Denoise len(seeds) samples from noise to images along `sigmas` ([N + 1], ending in 0).
+
+    `noise_seeds` (settings.same_noise_per_group): sample i's initial noise is drawn from a
+    generator seeded with noise_seeds[i], so samples with one noise seed start alike; None:
+    from its own generator, seeds[i], before that generator's step noise."""
+    if (noise_seeds is not None) != settings.same_noise_per_group:
+        raise ValueError(
+            f"same_noise_per_group is {settings.same_noise_per_group} but noise seeds were "
+            f"{'given' if noise_seeds is not None else 'not given'}"
+        )
     device = cond[next(iter(cond.tensors))].device
     generators = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
-    x = adapter.initial_latents(generators, settings.height, settings.width).to(device)
+    x = _initial_latents(adapter, settings, generators, noise_seeds).to(device)
     schedule = settings.schedule
     stochastic = (
         schedule.stochastic if settings.noise_level > 0 else (False,) * len(schedule.stochastic)
@@ -100,6 +112,26 @@ def sample_batch(
     )
 
 
+def _initial_latents(
+    adapter: ModelAdapter,
+    settings: SamplerSettings,
+    generators: list[torch.Generator],
+    noise_seeds: list[int] | None,
+) -> torch.Tensor:
+    """The batch's initial noise: from each sample's generator, or one draw per noise seed."""
+    if noise_seeds is None:
+        return adapter.initial_latents(generators, settings.height, settings.width)
+    if len(noise_seeds) != len(generators):
+        raise ValueError(f"{len(noise_seeds)} noise seeds for {len(generators)} samples")
+    distinct = list(dict.fromkeys(noise_seeds))
+    drawn = adapter.initial_latents(
+        [torch.Generator(device="cpu").manual_seed(seed) for seed in distinct],
+        settings.height,
+        settings.width,
+    )
+    return drawn[[distinct.index(seed) for seed in noise_seeds]]
+
+
 def _step_sigmas(
     adapter: ModelAdapter, settings: SamplerSettings, window_end: int, sigmas: torch.Tensor
 ) -> list[float]:
@@ -111,6 +143,6 @@ def _step_sigmas(
     remaining = len(full) - 2 - window_end  # steps from the window's end to sigma 0
     if settings.post_window_compress >= 1.0 or remaining < 1:  # no window: remaining < 0
         return full
-    shift = adapter.time_shift(settings.height, settings.width)
+    shift = adapter.time_shift(settings.height, settings.width, settings.shift)
     tail = compressed_sigmas(full[window_end + 1], remaining, settings.post_window_compress, shift)
     return full[: window_end + 1] + tail

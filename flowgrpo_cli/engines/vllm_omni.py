@@ -11,6 +11,9 @@ stage cannot tell them apart. What runs where:
   `sampling.sample_batch`, through our `QwenImageAdapter` (initial noise, packing, timestep
   cast, true CFG, decode) put over vllm-omni's modules: the step math (`sde.STEP_FUNCTIONS`),
   the step schedule, CFG and per-sample seeding are the very code the diffusers engine runs.
+  The sigmas are this process's adapter's (`RolloutEngine.sigmas`, sampler.shift included),
+  sent with the job; a request's initial-noise seed (sampler.same_noise_per_group) travels
+  beside its seed.
   Only the modules are vllm-omni's: its transformer (fused projections, attention backends,
   LoRA layers, parallelism) and its VAE.
 - Per request (one image), the pipeline returns the T + 1 latents, T log-probs and the sigmas
@@ -162,6 +165,9 @@ class VllmOmniEngine(RolloutEngine):
             "sigmas": [float(s) for s in sigmas],
             "post_window_solver": settings.post_window_solver,
             "post_window_compress": settings.post_window_compress,
+            # The sigmas above already carry sampler.shift; the pipeline's settings record it.
+            "shift": settings.shift,
+            "same_noise_per_group": settings.same_noise_per_group,
         }
         params = OmniDiffusionSamplingParams(
             height=settings.height,
@@ -175,7 +181,13 @@ class VllmOmniEngine(RolloutEngine):
             cond = encoded[request.group_id]  # [1, L, D] per tensor
             prompt: dict[str, object] = {"prompt": request.prompt}
             prompt |= {k: cond[k].cpu() for k in _CONDITIONING_KEYS if k in cond}
-            prompt[JOB_KEY] = {"sample_id": request.sample_id, "seed": request.seed}
+            job_of_prompt: dict[str, object] = {
+                "sample_id": request.sample_id,
+                "seed": request.seed,
+            }
+            if request.noise_seed is not None:  # sampler.same_noise_per_group
+                job_of_prompt["noise_seed"] = request.noise_seed
+            prompt[JOB_KEY] = job_of_prompt
             prompts.append(prompt)
         outputs = omni.generate(prompts, params, use_tqdm=False)
         by_id = {_metadata_of(out).get("sample_id"): out for out in outputs}
@@ -401,14 +413,21 @@ def _build_pipeline_class() -> type:
                 ),
                 post_window_solver=job["post_window_solver"],
                 post_window_compress=job["post_window_compress"],
+                shift=job["shift"],
+                same_noise_per_group=job["same_noise_per_group"],
             )
             prompts = req.prompts
             cond = Conditioning.cat(
                 [Conditioning({k: p[k] for k in _CONDITIONING_KEYS if k in p}) for p in prompts]
             ).to(self.device)
             seeds = [int(p[JOB_KEY]["seed"]) for p in prompts]
+            noise_seeds = None
+            if settings.same_noise_per_group:  # a missing seed raises: never a silent default
+                noise_seeds = [int(p[JOB_KEY]["noise_seed"]) for p in prompts]
             sigmas = torch.tensor(job["sigmas"], dtype=torch.float32)
-            sampled = sample_batch(_adapter_over(self), cond, seeds, settings, sigmas)
+            sampled = sample_batch(
+                _adapter_over(self), cond, seeds, settings, sigmas, noise_seeds=noise_seeds
+            )
             adapter = first.lora_request.lora_name if first.lora_request is not None else None
             outputs = []
             for i, prompt in enumerate(prompts):

@@ -240,20 +240,32 @@ class ModelAdapter(PipelinePlacement, ABC):
         dim of 1) before it packs anything: the same numbers."""
         return draw_noise(generators, self.latent_shape(height, width), self.device)
 
-    def sigmas(self, num_steps: int, height: int, width: int) -> torch.Tensor:
-        """float32 [num_steps + 1], from 1 down to a final 0, as the pipeline schedules them."""
+    def sigmas(self, num_steps: int, height: int, width: int, shift: float = 0.0) -> torch.Tensor:
+        """float32 [num_steps + 1], from 1 down to a final 0, as the pipeline schedules them.
+
+        `shift` > 0 (sampler.shift): the same scheduler with its resolution-dependent shifting
+        off and this static shift instead (as MixGRPO's `--shift 3` schedules FLUX)."""
+        if shift:
+            fixed = fixed_shift_config(self.pipeline.scheduler.config, shift)
+            return scheduler_sigmas(
+                self.pipeline, num_steps, config=fixed, **self._schedule(num_steps)
+            )
         mu = self._mu(height, width)
-        shift = {} if mu is None else {"mu": mu}
-        return scheduler_sigmas(self.pipeline, num_steps, **self._schedule(num_steps), **shift)
+        by_size = {} if mu is None else {"mu": mu}
+        return scheduler_sigmas(self.pipeline, num_steps, **self._schedule(num_steps), **by_size)
 
     def _schedule(self, num_steps: int) -> dict[str, Any]:
         """The pipeline's set_timesteps arguments besides mu: none here (the scheduler's own
         timesteps, as StableDiffusion3Pipeline leaves them)."""
         return {}
 
-    def time_shift(self, height: int, width: int) -> float:
-        """s of the scheduler's time shift sigma = s t / (1 + (s - 1) t) at this size."""
-        return shift_factor(self.pipeline.scheduler.config, self._mu(height, width))
+    def time_shift(self, height: int, width: int, shift: float = 0.0) -> float:
+        """s of the scheduler's time shift sigma = s t / (1 + (s - 1) t) at this size; with
+        `shift` > 0, that fixed shift (see `sigmas`)."""
+        config = self.pipeline.scheduler.config
+        if shift:
+            return shift_factor(fixed_shift_config(config, shift), None)
+        return shift_factor(config, self._mu(height, width))
 
     def _mu(self, height: int, width: int) -> float | None:
         """The exponent of the resolution-dependent time shift; None when the scheduler shifts
@@ -406,11 +418,25 @@ def draw_noise(
     )
 
 
-def scheduler_sigmas(pipeline: Any, num_steps: int, **set_timesteps_kwargs: Any) -> torch.Tensor:
-    """The sigmas the pipeline's scheduler sets for `num_steps`, without touching its state."""
-    scheduler = type(pipeline.scheduler).from_config(pipeline.scheduler.config)
+def scheduler_sigmas(
+    pipeline: Any, num_steps: int, config: Any = None, **set_timesteps_kwargs: Any
+) -> torch.Tensor:
+    """The sigmas the pipeline's scheduler sets for `num_steps`, without touching its state;
+    `config` replaces the scheduler's config."""
+    scheduler = type(pipeline.scheduler).from_config(config or pipeline.scheduler.config)
     scheduler.set_timesteps(num_steps, device="cpu", **set_timesteps_kwargs)
     return scheduler.sigmas.to(torch.float32)
+
+
+def fixed_shift_config(scheduler_config: Any, shift: float) -> dict[str, Any]:
+    """The scheduler's config with resolution-dependent shifting off and `shift` as its static
+    shift: diffusers' FlowMatchEulerDiscreteScheduler(shift=shift) for this model."""
+    if "shift" not in scheduler_config:
+        raise FlowGrpoError(
+            f"sampler.shift = {shift} sets the static time shift of a flow-matching scheduler; "
+            f"this pipeline's scheduler has no `shift` in its config: leave sampler.shift at 0"
+        )
+    return {**scheduler_config, "shift": float(shift), "use_dynamic_shifting": False}
 
 
 def shift_factor(scheduler_config: Any, mu: float | None) -> float:

@@ -256,7 +256,7 @@ class SamplerSection:
         used_when=lambda sampler: sampler.post_window_compress < 1.0,
     )
     # MixGRPO as its authors run it (Tencent-Hunyuan/MixGRPO, scripts/finetune/
-    # finetune_flux_grpo_MixGRPO*.sh); a later key too, out of the hash at its default.
+    # finetune_flux_grpo_MixGRPO*.sh); later keys too, out of the hash at their defaults.
     window_end: Literal["stay", "shrink", "roll_back"] = _option(
         "stay",
         "mixgrpo: the window at the end of its slide. stay: it stops at window_range's hi "
@@ -267,6 +267,23 @@ class SamplerSection:
         "roll_back: as shrink, then it restarts at window_range's lo: their scripts' "
         "--roll_back.",
         used_when=lambda sampler: sampler.window_end != "stay",
+    )
+    shift: float = _option(
+        0.0,
+        "Fixed time shift s of the sigma schedule: the scheduler's times shifted by "
+        "sigma = s t / (1 + (s - 1) t), resolution-dependent shifting off (diffusers' "
+        "FlowMatchEulerDiscreteScheduler with shift = s, use_dynamic_shifting = False); "
+        "0 = the model's own schedule. MixGRPO's scripts: --shift 3 (train_grpo_flux.py "
+        "sd3_time_shift). Rollout only; evaluation keeps the model's schedule.",
+        check=_at_least(0.0),
+        used_when=lambda sampler: sampler.shift != 0.0,
+    )
+    same_noise_per_group: bool = _option(
+        False,
+        "Every image of a group starts from one initial noise, seeded by (run.seed, "
+        "iteration, prompt); each image keeps its own SDE noise. MixGRPO's scripts: "
+        "--init_same_noise (train_grpo_flux.py sample_reference_model). Needs noise_level > 0.",
+        used_when=lambda sampler: sampler.same_noise_per_group,
     )
     engine: Literal["diffusers", "vllm-omni"] = _option("diffusers", "Rollout engine.")
     merge_lora: bool = _option(

@@ -29,6 +29,10 @@ from flowgrpo_cli.store.rundir import MANIFEST, ROLLOUT, SCORE, require_manifest
 _PART = re.compile(r"(part|conditioning)-\d{5}-of-\d{5}\.arrow")
 
 
+# A field with this metadata is left out of the manifest while it holds its default.
+_WRITTEN_WHEN_SET = {"written_when_set": True}
+
+
 @dataclass(frozen=True)
 class SamplerSettings:
     """How a rollout samples: what every engine's denoising loop reads, and what the rollout
@@ -46,14 +50,22 @@ class SamplerSettings:
     # reads back as sampled with the default.
     post_window_solver: str = "euler"
     post_window_compress: float = 1.0
+    # sampler.shift (0: the model's own sigma schedule, else that static time shift) and
+    # sampler.same_noise_per_group (a group's images start from one initial noise). Written
+    # only when set, so a rollout that does not use them writes the manifest it wrote before.
+    shift: float = dataclasses.field(default=0.0, metadata=_WRITTEN_WHEN_SET)
+    same_noise_per_group: bool = dataclasses.field(default=False, metadata=_WRITTEN_WHEN_SET)
 
 
 def _flat(settings: Any) -> dict[str, Any]:
     """A dataclass as one JSON table, field by field in order: a field that is a dataclass
-    itself (the schedule) is written inline, its fields in its place; tuples become lists."""
+    itself (the schedule) is written inline, its fields in its place; tuples become lists; a
+    field marked written-when-set is left out at its default (and reads back as it)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
         value = getattr(settings, f.name)
+        if f.metadata.get("written_when_set") and value == f.default:
+            continue
         if dataclasses.is_dataclass(value):
             out.update(_flat(value))
         else:
