@@ -383,3 +383,35 @@ def test_configs_without_the_new_keys_hash_as_before(name, monkeypatch):
     assert config_hash(as_written(load_config(path), folder)) == HASHES_BEFORE[name]
     with_keys = load_config(path, NEW_KEYS_AT_DEFAULT)
     assert config_hash(as_written(with_keys, folder)) == HASHES_BEFORE[name]
+
+
+# -- the authors' recipe, end to end -----------------------------------------------------------
+
+
+def test_their_recipe_trains_through_the_shrinking_window_and_back(make_run):
+    """Every option at once on the tiny FLUX: 6 steps (max_timesteps 4), a 3-step window
+    moving every iteration; windows [0, 1, 2], [1, 2, 3], [2, 3], [3], then back to
+    [0, 1, 2]. Each iteration trains the steps of its window."""
+    from flowgrpo_cli.loop import run_loop
+
+    config, run = make_run(
+        "algorithm.name=mixgrpo", "sampler.num_steps=6", "sampler.window_size=3",
+        "sampler.window_shift_every=1", "sampler.window_end=roll_back", "sampler.shift=3.0",
+        "sampler.same_noise_per_group=true", "algorithm.advantage_std=group",
+        "algorithm.advantage_std_ddof=1", "algorithm.drop_zero_advantage=false",
+        family="flux",
+    )  # fmt: skip
+    run_loop(config, run, 5)
+    windows = []
+    for k in range(5):
+        manifest = RolloutManifest.read(run.stage_dir(k, ROLLOUT))
+        windows.append(list(manifest.sampler.schedule.trained_indices))
+        assert (
+            manifest.sampler.schedule.stochastic_indices
+            == manifest.sampler.schedule.trained_indices
+        )
+        assert manifest.sigmas[1] == pytest.approx(3 * (5 / 6) / (1 + 2 * (5 / 6)), abs=1e-6)
+    assert windows == [[0, 1, 2], [1, 2, 3], [2, 3], [3], [0, 1, 2]]
+    rows, _ = stored_rows(run, 3)  # the one-step window's trajectory, still kept
+    assert rows.log_probs.shape[1] == 1 and rows.trained.all()
+    assert run.checkpoint_dir(4).exists()
