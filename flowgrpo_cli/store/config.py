@@ -262,10 +262,10 @@ class SamplerSection:
         "mixgrpo: the window at the end of its slide. stay: it stops at window_range's hi "
         "(default num_steps - window_size - 1) and keeps its size. shrink: its steps stop "
         "before step num_steps - 2, so it shrinks once its start passes num_steps - 2 - "
-        "window_size, and it stops at hi (default num_steps - 3), as their "
-        "GRPOTrainingStates does without --roll_back (fastvideo/utils/grpo_states.py). "
-        "roll_back: as shrink, then it restarts at window_range's lo: their scripts' "
-        "--roll_back.",
+        "window_size, and it stops at hi (default num_steps - 3, one step), as MixGRPO's "
+        "GRPOTrainingStates without --roll_back (fastvideo/utils/grpo_states.py; it goes on "
+        "to an empty window, where their update fails). roll_back: as shrink, then it "
+        "restarts at window_range's lo: their scripts' --roll_back.",
         used_when=lambda sampler: sampler.window_end != "stay",
     )
     shift: float = _option(
