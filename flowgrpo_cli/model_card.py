@@ -229,8 +229,10 @@ def _reproduce_lines(
 ) -> list[str]:
     """How the evaluation drew its images, and the plain diffusers code that redraws one.
 
-    The evaluation (stages/evaluate.py) samples the ODE (noise level 0) of the pipeline's own
-    Euler schedule, with eval.num_steps and eval.guidance_scale at model.height x model.width;
+    The evaluation (stages/evaluate.py) samples the ODE (noise level 0) on the pipeline's own
+    schedule with eval.ode_solver's steps (Euler's, as the pipeline's `__call__`, unless
+    dpm++2m: the card then says its code takes other steps), with eval.num_steps and
+    eval.guidance_scale at model.height x model.width;
     test prompt i's initial noise comes from a CPU generator seeded with
     derive_seed(run.seed, "eval", i), drawn as the pipelines' prepare_latents draw it."""
     from flowgrpo_cli.reporting.render import checkpoint_name, updates
@@ -269,8 +271,9 @@ def _reproduce_lines(
     evaluated_weights = (
         "the EMA of the trained weights" if evaluated_ema else "the trained weights (not the EMA)"
     )
+    euler = config.eval.ode_solver == "euler"
     precision = f"`{config.model.dtype}` (model.dtype: the transformer, text encoders and VAE)"
-    precision += "; the latents and the Euler steps in float32"
+    precision += f"; the latents and the {'Euler' if euler else 'DPM-Solver++'} steps in float32"
     if config.train.mixed_precision != "none":
         precision += "; the transformer's forwards under bfloat16 autocast (mixed_precision)"
     noise = (
@@ -288,9 +291,7 @@ def _reproduce_lines(
         f"- weights the run evaluates: {evaluated_weights}",
         f"- base model: {base.described()}",
         f"- reward: {_rewards(config)}",
-        "- sampler: noise level 0, i.e. the ODE: plain Euler steps on the schedule of the "
-        f"base's own scheduler (`{base.scheduler or 'its scheduler_config.json'}`), exactly "
-        "as the pipeline's `__call__` steps",
+        _sampler_line(config, base),
         f"- steps: `num_inference_steps = {steps}`",
         f"- guidance: `guidance_scale = {guidance:g}`: {_guidance_note(base, guidance)}",
         f"- size: `height = {height}`, `width = {width}`",
@@ -409,7 +410,29 @@ def _guidance_arguments(base: BaseModelInfo, guidance: float, negative: str) -> 
     return lines
 
 
+def _sampler_line(config: Config, base: BaseModelInfo) -> str:
+    scheduler = f"`{base.scheduler or 'its scheduler_config.json'}`"
+    if config.eval.ode_solver == "euler":
+        return (
+            "- sampler: noise level 0, i.e. the ODE: plain Euler steps on the schedule of the "
+            f"base's own scheduler ({scheduler}), exactly as the pipeline's `__call__` steps"
+        )
+    return (
+        "- sampler: noise level 0, i.e. the ODE, on the schedule of the base's own scheduler "
+        f"({scheduler}), taken with the multistep DPM-Solver++ of order 2 (eval.ode_solver = "
+        f"`{config.eval.ode_solver}`), which the pipeline's `__call__` does not take: it steps "
+        "with Euler"
+    )
+
+
 def _tolerance_note(config: Config) -> str:
+    if config.eval.ode_solver != "euler":
+        return (
+            "The evaluation took DPM-Solver++ (2M) steps (eval.ode_solver) where this code "
+            "takes the pipeline's Euler steps along the same sigmas from the same noise: both "
+            "solve the same ODE, so expect an image close to the evaluation's, but not equal "
+            "(the two solvers' discretisation errors differ, more so with few steps)."
+        )
     close = (
         "expect an image close to the evaluation's but not identical (a few levels out of 255 "
         "in places)"

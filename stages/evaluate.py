@@ -1,5 +1,6 @@
 """`flowgrpo evaluate` (and the loop's periodic evaluation): ODE sampling (noise level 0) of
-fixed test prompts with fixed seeds, scored.
+fixed test prompts with fixed seeds, scored. Its steps are eval.ode_solver's (Euler unless set,
+as both DiffusionNFT's and AWM's evaluations), whatever solver the rollout uses.
 
 `RUN/eval/iter-N/` holds the evaluation of the policy that iteration N starts from, the policy
 after N updates (iter-0 is the base model): one Arrow part per rank (sample_id, prompt,
@@ -63,6 +64,15 @@ def evaluation_requests(config: Config, run: RunDir) -> list[SampleRequest]:
         )
         for i, row in enumerate(rows)
     ]
+
+
+def evaluation_settings(config: Config) -> SamplerSettings:
+    """How evaluation samples: noise level 0, eval.num_steps steps of eval.ode_solver's."""
+    return SamplerSettings(
+        kind=config.sampler.kind, noise_level=0.0, guidance_scale=config.eval.guidance_scale,
+        height=config.model.height, width=config.model.width,
+        schedule=build_step_schedule(config.eval.num_steps), ode_solver=config.eval.ode_solver,
+    )  # fmt: skip
 
 
 def evaluated_iteration(config: Config, run: RunDir, checkpoint: int | None, base: bool) -> int:
@@ -169,11 +179,7 @@ def run(
     identity = {"config": config_hash(config), "policy": engine.version}
     writer = StageWriter(run.eval_dir(iteration), EVAL.name, identity)
     parts = [part_name(r, info.world_size) for r in range(info.world_size)]
-    settings = SamplerSettings(
-        kind=config.sampler.kind, noise_level=0.0, guidance_scale=config.eval.guidance_scale,
-        height=config.model.height, width=config.model.width,
-        schedule=build_step_schedule(config.eval.num_steps),
-    )  # fmt: skip
+    settings = evaluation_settings(config)
 
     def evaluate_my_prompts() -> dict[str, float]:
         started = time.perf_counter()

@@ -85,6 +85,12 @@ def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
             "sampler.noise_level = 0 adds none after it: the group's images would all be the "
             "same, with advantages of 0; set a noise_level > 0, or leave same_noise_per_group off"
         )
+    if sampler.ode_solver != "euler" and sampler.post_window_solver != "euler":
+        raise FlowGrpoError(
+            f"sampler.ode_solver = {sampler.ode_solver!r} already takes every deterministic "
+            "step, those after the SDE window included: remove sampler.post_window_solver "
+            "(it takes the steps after the window alone, MixGRPO-Flash's)"
+        )
     return SamplerSettings(
         kind=sampler.kind,
         noise_level=sampler.noise_level,
@@ -96,6 +102,7 @@ def sampler_settings(config: Config, iteration: int) -> SamplerSettings:
         post_window_compress=sampler.post_window_compress,
         shift=sampler.shift,
         same_noise_per_group=sampler.same_noise_per_group,
+        ode_solver=sampler.ode_solver,
     )
 
 

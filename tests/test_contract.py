@@ -12,7 +12,8 @@ from flowgrpo_cli.store.contract import RolloutManifest, SamplerSettings
 from flowgrpo_cli.store.rundir import StageWriter
 
 # The "sampler" table as rollout wrote it before the settings were serialised generically:
-# the same keys, in the same order, with the same values.
+# the same keys, in the same order, with the same values; and `ode_solver`, added later, last
+# of the settings.
 WRITTEN = {
     "kind": "sde",
     "noise_level": 0.7,
@@ -24,6 +25,7 @@ WRITTEN = {
     "width": 48,
     "post_window_solver": "dpm++2m",
     "post_window_compress": 0.5,
+    "ode_solver": "euler",
     "dtype": "float32",
     "sigmas": [1.0, 0.75, 0.5, 0.25, 0.0],
 }
@@ -67,11 +69,13 @@ def test_the_sampler_is_written_as_before_and_reads_back(tmp_path):
 def test_an_older_manifest_takes_the_defaults_of_newer_keys(tmp_path):
     manifest = _manifest()
     fields = manifest.fields()
-    older = {k: v for k, v in fields["sampler"].items() if not k.startswith("post_window_")}
+    newer = ("post_window_solver", "post_window_compress", "ode_solver")
+    older = {k: v for k, v in fields["sampler"].items() if k not in newer}
     _write(tmp_path / "rollout", {**fields, "sampler": older})
     read = RolloutManifest.read(tmp_path / "rollout")
     assert read.sampler.post_window_solver == "euler"  # how manifests before them sampled
     assert read.sampler.post_window_compress == 1.0
+    assert read.sampler.ode_solver == "euler"
     assert read.sampler.schedule == manifest.sampler.schedule
     assert read.sigmas == manifest.sigmas
 

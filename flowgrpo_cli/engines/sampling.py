@@ -1,7 +1,11 @@
 """Sampling one batch of trajectories: the denoising loop every rollout engine runs.
 
 The loop owns nothing but the order of calls: the adapter gives noise, sigmas, velocities and
-images; algorithm.sde gives the steps; algorithm.schedule says which steps are stochastic.
+images; algorithm.sde gives the steps; algorithm.schedule says which steps are stochastic;
+algorithm.dpm_solver gives the deterministic steps where the settings choose DPM-Solver++ (2M)
+over Euler (`ode_solver`: every deterministic step; `post_window_solver`: those after the SDE
+window). The previous step's data prediction it needs is carried across every step, a
+stochastic one included, as MixGRPO-Flash carries the window's last one.
 Each sample draws its initial noise and every step's noise from its own generator, seeded per
 sample, so a sample is the same whatever batch or rank it was drawn in. With
 sampler.same_noise_per_group the initial noise comes from a generator seeded per group instead
@@ -62,7 +66,10 @@ def sample_batch(
     # The window's last stochastic step; past the end when there is none.
     window_end = max((i for i, s in enumerate(stochastic) if s), default=len(stochastic))
     step_sigmas = _step_sigmas(adapter, settings, window_end, sigmas)
-    dpm = settings.post_window_solver == "dpm++2m"
+    # DPM-Solver++ (2M) on every deterministic step (ode_solver), or on those after the window
+    # alone (post_window_solver, MixGRPO-Flash); the stochastic steps are always step_fn's.
+    dpm_everywhere = settings.ode_solver == "dpm++2m"
+    dpm = dpm_everywhere or settings.post_window_solver == "dpm++2m"
     batch = len(seeds)
     states: list[torch.Tensor] = []
     log_probs: list[torch.Tensor] = []
@@ -94,7 +101,7 @@ def sample_batch(
             sigma_now.append(sigma)
             sigma_next.append(following)
             x = out.next_latents
-        elif prediction is not None and i > window_end:  # dpm: after the window, as MixGRPO-Flash
+        elif prediction is not None and (dpm_everywhere or i > window_end):
             x = dpm_solver_pp_step(x, prediction, sigma, following, previous)
         else:
             x = ode_step(x, v, sigma_batch, following_batch).next_latents

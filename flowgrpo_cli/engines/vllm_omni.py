@@ -9,7 +9,8 @@ stage cannot tell them apart. What runs where:
 - Denoising runs inside vllm-omni, in `FlowGrpoQwenImagePipeline`, a subclass of vllm-omni's
   QwenImagePipeline loaded as its custom pipeline. Its forward runs flowgrpo's own sampler,
   `sampling.sample_batch`, through our `QwenImageAdapter` (initial noise, packing, timestep
-  cast, true CFG, decode) put over vllm-omni's modules: the step math (`sde.STEP_FUNCTIONS`),
+  cast, true CFG, decode) put over vllm-omni's modules: the step math (`sde.STEP_FUNCTIONS`,
+  and DPM-Solver++ where `sampler.ode_solver` / `post_window_solver` choose it),
   the step schedule, CFG and per-sample seeding are the very code the diffusers engine runs.
   The sigmas are this process's adapter's (`RolloutEngine.sigmas`, sampler.shift included),
   sent with the job; a request's initial-noise seed (sampler.same_noise_per_group) travels
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from flowgrpo_cli.algorithm.schedule import StepSchedule
 from flowgrpo_cli.engines.base import GroupConditioning, RolloutEngine, SampleRequest
 from flowgrpo_cli.engines.sampling import SampledBatch
 from flowgrpo_cli.errors import FlowGrpoError
@@ -155,20 +157,7 @@ class VllmOmniEngine(RolloutEngine):
 
         omni = self._start(batch_size=len(requests))
         adapter = self._current_adapter()
-        sigmas = self.sigmas(settings)
-        job = {
-            "kind": settings.kind,
-            "noise_level": settings.noise_level,
-            "guidance_scale": settings.guidance_scale,
-            "stochastic": list(settings.schedule.stochastic),
-            "trained": list(settings.schedule.trained),
-            "sigmas": [float(s) for s in sigmas],
-            "post_window_solver": settings.post_window_solver,
-            "post_window_compress": settings.post_window_compress,
-            # The sigmas above already carry sampler.shift; the pipeline's settings record it.
-            "shift": settings.shift,
-            "same_noise_per_group": settings.same_noise_per_group,
-        }
+        job = sampler_job(settings, self.sigmas(settings))
         params = OmniDiffusionSamplingParams(
             height=settings.height,
             width=settings.width,
@@ -303,6 +292,46 @@ def _env_omni_kwargs() -> dict[str, Any]:
     return value
 
 
+def sampler_job(settings: SamplerSettings, sigmas: torch.Tensor) -> dict[str, Any]:
+    """The sampler settings and sigmas as the JSON-able job a request carries to the pipeline
+    (the size travels in the sampling params); `job_settings` reads it back."""
+    return {
+        "kind": settings.kind,
+        "noise_level": settings.noise_level,
+        "guidance_scale": settings.guidance_scale,
+        "stochastic": list(settings.schedule.stochastic),
+        "trained": list(settings.schedule.trained),
+        "sigmas": [float(s) for s in sigmas],
+        "post_window_solver": settings.post_window_solver,
+        "post_window_compress": settings.post_window_compress,
+        "ode_solver": settings.ode_solver,
+        # The sigmas above already carry sampler.shift; the pipeline's settings record it.
+        "shift": settings.shift,
+        "same_noise_per_group": settings.same_noise_per_group,
+    }
+
+
+def job_settings(job: dict[str, Any], *, height: int, width: int) -> SamplerSettings:
+    """The SamplerSettings a `sampler_job` carries, in the pipeline vllm-omni runs."""
+    return SamplerSettings(
+        kind=job["kind"],
+        noise_level=job["noise_level"],
+        guidance_scale=job["guidance_scale"],
+        height=height,
+        width=width,
+        schedule=StepSchedule(
+            num_steps=len(job["stochastic"]),
+            stochastic=tuple(job["stochastic"]),
+            trained=tuple(job["trained"]),
+        ),
+        post_window_solver=job["post_window_solver"],
+        post_window_compress=job["post_window_compress"],
+        ode_solver=job["ode_solver"],
+        shift=job["shift"],
+        same_noise_per_group=job["same_noise_per_group"],
+    )
+
+
 def _metadata_of(output: Any) -> dict[str, Any]:
     return (getattr(output, "multimodal_output", None) or {}).get("metadata") or {}
 
@@ -379,7 +408,6 @@ def _build_pipeline_class() -> type:
     from vllm_omni.diffusion.data import DiffusionOutput
     from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 
-    from flowgrpo_cli.algorithm.schedule import StepSchedule
     from flowgrpo_cli.engines.sampling import sample_batch
     from flowgrpo_cli.models import to_pil
 
@@ -400,22 +428,7 @@ def _build_pipeline_class() -> type:
             if any(job != jobs[0] for job in jobs):
                 raise ValueError("flowgrpo requests with different sampler settings were batched")
             job, first = jobs[0], params[0]
-            settings = SamplerSettings(
-                kind=job["kind"],
-                noise_level=job["noise_level"],
-                guidance_scale=job["guidance_scale"],
-                height=first.height,
-                width=first.width,
-                schedule=StepSchedule(
-                    num_steps=len(job["stochastic"]),
-                    stochastic=tuple(job["stochastic"]),
-                    trained=tuple(job["trained"]),
-                ),
-                post_window_solver=job["post_window_solver"],
-                post_window_compress=job["post_window_compress"],
-                shift=job["shift"],
-                same_noise_per_group=job["same_noise_per_group"],
-            )
+            settings = job_settings(job, height=first.height, width=first.width)
             prompts = req.prompts
             cond = Conditioning.cat(
                 [Conditioning({k: p[k] for k in _CONDITIONING_KEYS if k in p}) for p in prompts]

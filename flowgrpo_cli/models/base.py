@@ -451,7 +451,7 @@ def shift_factor(scheduler_config: Any, mu: float | None) -> float:
             f"scheduler's time shift, and this scheduler also stretches its sigmas to "
             f"shift_terminal = {scheduler_config['shift_terminal']} (Qwen-Image's), which "
             "that redraw does not follow: keep post_window_compress = 1 on this model "
-            "(post_window_solver works on any)"
+            "(post_window_solver and ode_solver work on any)"
         )
     if mu is None:
         return float(scheduler_config.get("shift", 1.0))

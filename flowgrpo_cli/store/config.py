@@ -242,10 +242,18 @@ class SamplerSection:
         check=_at_least(0.0),
         used_when=lambda sampler: sampler.window_schedule == "exp_decay",
     )
+    ode_solver: Literal["euler", "dpm++2m"] = _option(
+        "euler",
+        "Solver of every deterministic step of the rollout: all of them at noise_level 0, else "
+        "the ODE steps before and after the SDE window. dpm++2m: the multistep DPM-Solver++ "
+        "of order 2 (DiffusionNFT's rollout). Stochastic steps stay sampler.kind's, whose "
+        "log-probs are trained; refused where no step is deterministic.",
+        used_when=lambda sampler: sampler.ode_solver != "euler",
+    )
     post_window_solver: Literal["euler", "dpm++2m"] = _option(
         "euler",
-        "ODE solver of the steps after the SDE window (MixGRPO-Flash: dpm++2m, the multistep "
-        "DPM-Solver++ of order 2); the window's own steps are unchanged.",
+        "ODE solver of the steps after the SDE window only (MixGRPO-Flash: dpm++2m); the steps "
+        "before the window stay Euler, as theirs. ode_solver covers these steps too.",
         used_when=lambda sampler: sampler.post_window_solver != "euler",
     )
     post_window_compress: float = _option(
@@ -657,6 +665,13 @@ class EvalSection:
         "Stop the loop (exit 0) at an evaluation eval.drift_window finds drifting, naming the "
         "best held-out evaluation's checkpoint (`flowgrpo export --best`).",
         affects_results=False,
+    )
+    # Came after runs existed: out of the hash at its default, as the sampler's window keys.
+    ode_solver: Literal["euler", "dpm++2m"] = _option(
+        "euler",
+        "Solver of the evaluation's ODE steps: euler (both DiffusionNFT's and AWM's evaluation) "
+        "or dpm++2m; apart from sampler.ode_solver, so evaluations stay comparable.",
+        used_when=lambda section: section.ode_solver != "euler",
     )
 
 

@@ -55,6 +55,9 @@ class SamplerSettings:
     # only when set, so a rollout that does not use them writes the manifest it wrote before.
     shift: float = dataclasses.field(default=0.0, metadata=_WRITTEN_WHEN_SET)
     same_noise_per_group: bool = dataclasses.field(default=False, metadata=_WRITTEN_WHEN_SET)
+    # The solver of every deterministic step (sampler.ode_solver, eval.ode_solver): "euler" or
+    # "dpm++2m". Stochastic steps are never its. Written only when set, as the two above.
+    ode_solver: str = dataclasses.field(default="euler", metadata=_WRITTEN_WHEN_SET)
 
 
 def _flat(settings: Any) -> dict[str, Any]:

@@ -122,6 +122,35 @@ class Algorithm:
                 f'window ends (algorithm.name = "mixgrpo"); {self.name} does not slide one: '
                 "remove the key"
             )
+        self.check_ode_solver()
+
+    def check_ode_solver(self) -> None:
+        """sampler.ode_solver takes the rollout's deterministic steps, never a stochastic one
+        (the trajectory algorithms' log-probs are of sampler.kind's step itself): refuse it
+        where every step is stochastic, saying what would give it steps to take."""
+        sampler = self.config.sampler
+        if sampler.ode_solver == "euler" or sampler.noise_level == 0:
+            return
+        if 0 < sampler.window_size < sampler.num_steps:  # the steps outside the window
+            return
+        chosen = f"sampler.ode_solver = {sampler.ode_solver!r}"
+        stochastic = (
+            f"sampler.noise_level = {sampler.noise_level:g} with "
+            + (f"a window of all {sampler.num_steps} steps" if sampler.window_size else "no window")
+            + " makes every step stochastic"
+        )
+        if self.needs_trajectory:
+            raise FlowGrpoError(
+                f"{chosen} takes deterministic steps only: {self.name} trains the stochastic "
+                f"steps, whose log-probs are of the {sampler.kind!r} step itself, and "
+                f"{stochastic}: set sampler.window_size below sampler.num_steps (the steps "
+                "outside the window are ODE steps) or leave ode_solver = 'euler'"
+            )
+        raise FlowGrpoError(
+            f"{chosen} takes deterministic steps only, and {stochastic}: {self.name} trains on "
+            "the clean latent alone, so set sampler.noise_level = 0 for an ODE rollout taken "
+            "with it (DiffusionNFT's), or leave ode_solver = 'euler'"
+        )
 
     def anchor_schedule(self) -> AnchorSchedule | None:
         """The anchor's decay schedule, or None when the algorithm keeps no anchor."""
