@@ -5,7 +5,9 @@ before each iteration and at the end, rollout, score, update), all sampling thro
 vllm-omni instance. The diffusers engine then re-samples the same requests with the same
 weights, and the tests compare:
 
-- noise level 0 (the evaluations): images equal to within ODE_PIXEL_TOL levels of 255;
+- noise level 0 (the evaluations, taken with eval.ode_solver = "dpm++2m", so vllm-omni's
+  pipeline is seen to take the solver the settings name): images equal to within
+  ODE_PIXEL_TOL levels of 255, and unlike the Euler steps' images;
 - SDE (the rollouts): latents within LATENT_TOL, and the stored log-probs reproduced by the
   update stage's own recompute (its `update/logprob_gap_max` metric) within LOGPROB_GAP_TOL;
 - after the first update: the manifest's policy version is the checkpoint's, the images at
@@ -101,6 +103,7 @@ lora_alpha = 8
 every = 1
 num_steps = 4
 guidance_scale = 4.0
+ode_solver = "dpm++2m"  # the engine must pass the solver on to its pipeline
 """
 
 
@@ -161,12 +164,15 @@ def _eval_images(run: RunDir, iteration: int) -> dict[str, bytes]:
     return dict(zip(table["sample_id"], table["image"], strict=True))
 
 
-def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, bytes]:
-    """What the diffusers engine draws for the evaluation of `iteration`: noise level 0."""
-    from flowgrpo_cli.algorithm.schedule import build_step_schedule
+def _diffusers_eval_images(
+    config, run: RunDir, iteration: int, ode_solver: str | None = None
+) -> dict[str, bytes]:
+    """What the diffusers engine draws for the evaluation of `iteration`: noise level 0, with
+    the evaluation's solver or `ode_solver`."""
+    import dataclasses
+
     from flowgrpo_cli.models import to_png
-    from flowgrpo_cli.stages.evaluate import evaluation_requests
-    from flowgrpo_cli.store.contract import SamplerSettings
+    from flowgrpo_cli.stages.evaluate import evaluation_requests, evaluation_settings
 
     policy = _policy_at(config, run, iteration)
     engine = DiffusersEngine(
@@ -174,14 +180,9 @@ def _diffusers_eval_images(config, run: RunDir, iteration: int) -> dict[str, byt
         max_sequence_length=config.model.max_sequence_length,
     )
     requests = evaluation_requests(config, run)
-    settings = SamplerSettings(
-        kind=config.sampler.kind,
-        noise_level=0.0,
-        guidance_scale=config.eval.guidance_scale,
-        height=config.model.height,
-        width=config.model.width,
-        schedule=build_step_schedule(config.eval.num_steps),
-    )
+    settings = evaluation_settings(config)
+    if ode_solver is not None:
+        settings = dataclasses.replace(settings, ode_solver=ode_solver)
     sampled = engine.sample(requests, engine.encode(requests, settings.guidance_scale), settings)
     return dict(zip([r.sample_id for r in requests], to_png(sampled.images), strict=True))
 
@@ -196,6 +197,12 @@ def test_ode_images_match_the_diffusers_engine(looped):
         worst = max(int(d.max()) for d in diffs)
         print(f"eval iteration {iteration}: max pixel difference {worst} of 255")
         assert worst <= ODE_PIXEL_TOL
+    # Had vllm-omni's pipeline taken Euler's steps, its images would be these.
+    ours = _eval_images(looped.run, 0)
+    euler = _diffusers_eval_images(looped.config, looped.run, 0, ode_solver="euler")
+    gap = max(int(np.abs(_pixels(ours[k]) - _pixels(euler[k])).max()) for k in euler)
+    print(f"eval iteration 0: max pixel difference to the Euler steps' images {gap} of 255")
+    assert gap > ODE_PIXEL_TOL
 
 
 def test_sde_log_probs_are_reproduced_by_the_update(looped):
