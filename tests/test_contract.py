@@ -12,8 +12,8 @@ from flowgrpo_cli.store.contract import RolloutManifest, SamplerSettings
 from flowgrpo_cli.store.rundir import StageWriter
 
 # The "sampler" table as rollout wrote it before the settings were serialised generically:
-# the same keys, in the same order, with the same values; and `ode_solver`, added later, last
-# of the settings.
+# the same keys, in the same order, with the same values (the keys added later, shift,
+# same_noise_per_group and ode_solver, are written only when set).
 WRITTEN = {
     "kind": "sde",
     "noise_level": 0.7,
@@ -25,7 +25,6 @@ WRITTEN = {
     "width": 48,
     "post_window_solver": "dpm++2m",
     "post_window_compress": 0.5,
-    "ode_solver": "euler",
     "dtype": "float32",
     "sigmas": [1.0, 0.75, 0.5, 0.25, 0.0],
 }
@@ -102,3 +101,17 @@ def test_the_mixgrpo_sampler_keys_are_written_only_when_set(tmp_path):
     read = RolloutManifest.read(tmp_path / "rollout")
     assert (read.sampler.shift, read.sampler.same_noise_per_group) == (3.0, True)
     assert read == changed
+
+
+def test_keys_added_later_are_written_when_set(tmp_path):
+    manifest = _manifest()
+    changed = dataclasses.replace(
+        manifest.sampler, shift=3.0, same_noise_per_group=True, ode_solver="dpm++2m"
+    )
+    manifest = dataclasses.replace(manifest, sampler=changed)
+    written = manifest.fields()["sampler"]
+    assert (written["shift"], written["same_noise_per_group"], written["ode_solver"]) == (
+        3.0, True, "dpm++2m",
+    )  # fmt: skip
+    _write(tmp_path / "rollout", manifest.fields())
+    assert RolloutManifest.read(tmp_path / "rollout") == manifest
