@@ -33,6 +33,7 @@ from flowgrpo_cli.store.rundir import (
     RunDir,
     StageWriter,
     atomic_write_bytes,
+    numbered_folders,
     part_name,
     read_manifest,
     require_manifest,
@@ -132,13 +133,11 @@ def evaluated_iteration(config: Config, run: RunDir, checkpoint: int | None, bas
 def finished_checkpoints(run: RunDir) -> dict[int, bool]:
     """Iteration -> whether its finished checkpoint still holds its weights, in order."""
     found = {}
-    for path in sorted((run.root / CHECKPOINT.folder).glob("iter-*")):
-        number = path.name.removeprefix("iter-")
-        if path.is_dir() and number.isdigit():
-            manifest = read_manifest(path)
-            if manifest is not None:
-                found[int(number)] = "pruned" not in manifest
-    return dict(sorted(found.items()))
+    for number, path in numbered_folders(run.root / CHECKPOINT.folder).items():
+        manifest = read_manifest(path)
+        if manifest is not None:
+            found[number] = "pruned" not in manifest
+    return found
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -21,6 +21,7 @@ from flowgrpo_cli.store.rundir import (
     ITERATION_STAGES,
     MANIFEST,
     RunDir,
+    numbered_folders,
     read_manifest,
     verify_part,
     verify_stage,
@@ -114,7 +115,7 @@ def _describe_run(console: Console, run: RunDir) -> None:
             what = f" ({policy})"
         console.print(f"eval/{folder.name}{what}: {check.status(folder)}", highlight=False)
     _describe_best(console, run, check)
-    for number in _checkpoint_numbers(run):
+    for number in numbered_folders(run.root / CHECKPOINT.folder):
         if number not in run.iterations():
             check.status(run.checkpoint_dir(number))
     console.print(f"current iteration: {run.current_iteration()}")
@@ -130,15 +131,6 @@ def _describe_best(console: Console, run: RunDir, check: _Verifier) -> None:
         return
     if best is not None:
         console.print(f"best held-out evaluation: {escape(describe_best(best))}", highlight=False)
-
-
-def _checkpoint_numbers(run: RunDir) -> list[int]:
-    found = []
-    for path in (run.root / CHECKPOINT.folder).glob("iter-*"):
-        suffix = path.name.removeprefix("iter-")
-        if path.is_dir() and suffix.isdigit():
-            found.append(int(suffix))
-    return sorted(found)
 
 
 def _describe_iteration(console: Console, folder: Path) -> None:

@@ -37,7 +37,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from flowgrpo_cli.store.rundir import EVAL, RunDir, atomic_write_json, read_metrics
+from flowgrpo_cli.store.rundir import (
+    EVAL,
+    RunDir,
+    atomic_write_json,
+    numbered_folders,
+    read_metrics,
+)
 
 METRIC = "eval/reward_mean"  # what "best" and "fell" are judged by
 TRAIN_METRIC = "reward/mean"  # the rollouts' mean reward, from the update's metrics
@@ -77,14 +83,11 @@ class Best:
 def best_of(rewards: Iterable[tuple[int, float]]) -> Best | None:
     """The highest (iteration, value) pair, the earliest iteration on a tie, as a Best; pairs
     whose value is not finite do not count. None when none counts."""
-    counted = sorted((n, v) for n, v in rewards if _finite(v))
+    counted = [(n, v) for n, v in rewards if _finite(v)]
     if not counted:
         return None
-    best = counted[0]
-    for pair in counted[1:]:
-        if pair[1] > best[1]:
-            best = pair
-    return Best(best[0], float(best[1]), len(counted))
+    n, value = max(counted, key=lambda pair: (pair[1], -pair[0]))  # earliest on a tie
+    return Best(n, float(value), len(counted))
 
 
 def evaluation_rewards(run: RunDir) -> list[tuple[int, float]]:
@@ -92,13 +95,12 @@ def evaluation_rewards(run: RunDir) -> list[tuple[int, float]]:
     or checkpoint iter-(N-1) finished), in order; evaluations without the metric are left out."""
     finished = run.current_iteration()  # checkpoints 0 .. finished - 1
     found = []
-    for folder in sorted((run.root / EVAL.folder).glob("iter-*")):
-        digits = folder.name.removeprefix("iter-")
-        if not digits.isdigit() or not folder.is_dir() or int(digits) > finished:
+    for n, folder in numbered_folders(run.root / EVAL.folder).items():
+        if n > finished:
             continue
         value = read_metrics(folder).get(METRIC)
         if value is not None and _finite(value):
-            found.append((int(digits), float(value)))
+            found.append((n, float(value)))
     return found
 
 

@@ -122,12 +122,18 @@ class RunDir:
 
     def iterations(self) -> list[int]:
         """Iteration numbers that have a folder, in order."""
-        found = []
-        for path in self.root.glob("iter-*"):
-            suffix = path.name.removeprefix("iter-")
-            if path.is_dir() and suffix.isdigit():
-                found.append(int(suffix))
-        return sorted(found)
+        return list(numbered_folders(self.root))
+
+
+def numbered_folders(parent: Path) -> dict[int, Path]:
+    """N -> parent/iter-N for every such folder (iterations, checkpoints, evaluations), in
+    order of N."""
+    found = {}
+    for path in parent.glob("iter-*"):
+        suffix = path.name.removeprefix("iter-")
+        if path.is_dir() and suffix.isdigit():
+            found[int(suffix)] = path
+    return dict(sorted(found.items()))
 
 
 def part_name(index: int, count: int, suffix: str = "arrow") -> str:
