@@ -94,6 +94,24 @@ def test_learning_curve_counts_training_time_before_each_evaluation(tmp_path, mo
     assert row == "| awm | 0.300 | 0.400 | - | 0.400 (5%) at 3.0 min |"  # stopped before 5
 
 
+def test_summary_gives_gains_minutes_to_ten_points_and_rate_against_pretraining(monkeypatch):
+    learn = _import("learn", monkeypatch)
+    P = learn.Point
+    curves = {
+        # best 0.52 at 8 min: +12.0 points; +10 first at 8 min (0.45 at 4 is +5); 12 / 8 = 1.5
+        "awm": [P(0, 0.40, 0.01, 0), P(4, 0.45, 0.02, 8), P(8, 0.52, 0.09, 16)],
+        # best 0.60 at 2 min: +20.0; +10 first at 1 min (0.52 - 0.40 = 0.12); 20 / 2 = 10;
+        # awm's rate against it: 1.5 / 10 = 0.15
+        "pretrain": [P(0, 0.40, 0.01, 0), P(1, 0.52, 0.05, 100), P(2, 0.60, 0.20, 200)],
+        # never above its start: best is minute 0, no rate
+        "flow_grpo": [P(0, 0.50, 0.03, 0), P(5, 0.48, 0.02, 10)],
+    }
+    rows = learn.summary_rows(curves)
+    assert rows[2] == "| awm | 0.400 | +12.0 (9%) | 8.0 min | 8.0 | +1.50 | 0.15x |"
+    assert rows[3] == "| pretrain | 0.400 | +20.0 (20%) | 2.0 min | 1.0 | +10.00 | 1.00x |"
+    assert rows[4] == "| flow_grpo | 0.500 | +0.0 (3%) | 0.0 min | never | - | - |"
+
+
 def test_chart_labels_name_an_arms_cfg_scales_and_levels_parse(tmp_path, monkeypatch):
     learn = _import("learn", monkeypatch)
     for arm, sampled, scored in (("awm", 1.0, 1.5), ("nft", 4.0, 4.0)):

@@ -20,7 +20,8 @@ so that all six arms finish in about 80 minutes; --parallel 2 gives each a core.
 held-out ones) and is what settings were chosen on; --split test is the held-out result.
 
 Writes OUT/<arm>/curve.jsonl per arm, OUT/learn.png (every arm on one chart) and OUT/learn.md
-(a table of the accuracy each arm reached by each mark). --report-only redraws both from the
+(a table of the accuracy each arm reached by each mark, then one of each arm's best gain,
+minutes to +10 points and gain per minute against pre-training's). --report-only redraws both from the
 runs as they stand; --with NAME=RUN adds an arm of another learn folder (a variant run with
 --set, or an arm's curve at another CFG scale from rescore.py) to them.
 
@@ -256,6 +257,40 @@ def write_table(curves: dict[str, list[Point]], marks: Sequence[float], path: Pa
     path.write_text("\n".join(lines) + "\n")
 
 
+def summary_rows(curves: dict[str, list[Point]]) -> list[str]:
+    """A markdown table of each arm's gains, in points of accuracy (1 point = 0.01) over the
+    arm's own start (its evaluation at minute 0): the best gain, where it was reached, the
+    minutes to the first gain of +10, the best gain per minute of training, and that rate
+    against continued pre-training's when a `pretrain` arm is among the curves."""
+
+    def best_rate(curve: list[Point]) -> float | None:
+        best = max(curve, key=lambda p: p.accuracy)
+        gain = (best.accuracy - curve[0].accuracy) * 100
+        return gain / best.minutes if best.minutes > 0 else None
+
+    baseline = best_rate(curves["pretrain"]) if "pretrain" in curves else None
+    rows = [
+        "| arm | start | best gain (exact) | at | minutes to +10 | gain per minute "
+        "| against pre-training |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm, curve in curves.items():
+        start, best = curve[0], max(curve, key=lambda p: p.accuracy)
+        ten = next((p.minutes for p in curve if p.accuracy - start.accuracy >= 0.10 - 1e-9), None)
+        rate = best_rate(curve)
+        cells = [
+            arm,
+            f"{start.accuracy:.3f}",
+            f"{(best.accuracy - start.accuracy) * 100:+.1f} ({best.exact:.0%})",
+            f"{best.minutes:.1f} min",
+            "never" if ten is None else f"{ten:.1f}",
+            "-" if rate is None else f"{rate:+.2f}",
+            "-" if rate is None or not baseline else f"{rate / baseline:.2f}x",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
 def plot(
     curves: dict[str, list[Point]],
     path: Path,
@@ -362,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             curves = {arm_label(arm, options.out): run for arm, run in zip(arms, runs, strict=True)}
     marks = [m for m in (5, 10, 15, 20, 30, 45, 60) if m < options.minutes] + [options.minutes]
     write_table(curves, marks, options.out / "learn.md")
+    with (options.out / "learn.md").open("a") as table:
+        table.write("\n" + "\n".join(summary_rows(curves)) + "\n")
     prompts = {"test": "held-out", "val": "validation"}[options.split]
     title = f"toy OCR base, {prompts} prompts, ODE, CFG 4 unless named"
     xlabel = f"training minutes ({options.parallel} arms at a time, {options.threads} thread each)"
