@@ -32,9 +32,16 @@ class Plot:
 def _plots(keys: set[str]) -> list[Plot]:
     rewards = sorted(k for k in keys if k.startswith("reward/") and k.endswith("_mean"))
     evals = sorted(k for k in keys if k.startswith("eval/") and k.endswith(("_mean", "_exact")))
+    spreads = sorted(k for k in keys if k.startswith("reward/") and k.endswith("_std"))
+    # each reward's own advantages: algorithm.reward_aggregation = "normalize_each" only
+    own = sorted(k for k in keys if k.startswith("advantage/") and k.endswith("_std"))
     plots = [
         Plot("rewards", "reward (train: rollout mean, eval: held-out ODE samples)",
              ["reward/mean", *rewards, *evals]),
+        Plot("reward_std", "reward std over each iteration's rollout images",
+             ["reward/std", *spreads]),
+        Plot("advantages", "advantage std, and each reward's own before weighting",
+             ["advantage/std", *own]),
         Plot("loss", "loss", ["update/loss", "update/pg_loss"]),
         Plot("kl", "KL to the reference",
              ["update/kl_reference", "update/kl_gaussian", "update/approx_kl"]),
