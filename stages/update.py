@@ -1,13 +1,14 @@
 """`flowgrpo update`: rollout + scores -> advantages, the algorithm's optimizer steps, a checkpoint.
 
 Reads the iteration's rewards (small columns only), computes group-relative advantages over
-the whole iteration, then trains: inner epochs over shuffled samples, each epoch split into
-`train.steps_per_epoch` optimizer steps; every optimizer step accumulates the gradients the
-algorithm's `backward` computes (training/algorithms: Flow-GRPO's clipped ratio over trained
-steps, nft's or awm's loss over re-noised latents) on its samples, streamed micro-batch by
-micro-batch from the memory-mapped rollout parts. Each rank takes every world_size-th sample
-of an optimizer batch; a rank with fewer samples runs zero-weighted micro-batches so FSDP's
-collectives stay aligned.
+the whole iteration (of the weighted total, or of each reward first under
+algorithm.reward_aggregation = "normalize_each"), then trains: inner epochs over shuffled
+samples, each epoch split into `train.steps_per_epoch` optimizer steps; every optimizer step
+accumulates the gradients the algorithm's `backward` computes (training/algorithms:
+Flow-GRPO's clipped ratio over trained steps, nft's or awm's loss over re-noised latents) on
+its samples, streamed micro-batch by micro-batch from the memory-mapped rollout parts. Each
+rank takes every world_size-th sample of an optimizer batch; a rank with fewer samples runs
+zero-weighted micro-batches so FSDP's collectives stay aligned.
 
 Write order, for crash safety: checkpoint files, then advantages.arrow, metrics.json and the
 update manifest, then the checkpoint's manifest, which is what marks the iteration done.
@@ -24,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics
+from flowgrpo_cli.algorithm.advantages import compute_advantages, data_metrics, normalize_each
 from flowgrpo_cli.algorithm.loss import LossMetrics
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import barrier, dist_info
@@ -125,19 +126,13 @@ def load_iteration(
         raise FlowGrpoError(f"{scores_dir}: every sample was dropped; nothing to train on")
     group_ids = torch.tensor(samples.column("group_id").to_pylist())[kept]
     total = torch.from_numpy(rewards[kept])
-    advantages = compute_advantages(
-        total, group_ids, std_mode=config.algorithm.advantage_std,
-        clip=config.algorithm.advantage_clip, ddof=config.algorithm.advantage_std_ddof,
-    )  # fmt: skip
     per_reward = {
         name: torch.from_numpy(
             np.array(score_table.column(name).to_numpy(zero_copy_only=False), float)[order]
         )[kept]
         for name in scores.rewards
     }
-    metrics = data_metrics(
-        per_reward, total, group_ids, advantages, clip=config.algorithm.advantage_clip
-    )
+    advantages, metrics = _advantages(config, per_reward, total, group_ids)
     metrics["reward/dropped_samples"] = float((~kept).sum())
     kept_ids = [sid for sid, k in zip(sample_ids, kept, strict=True) if k]
     table = pa.table({
@@ -157,6 +152,29 @@ def load_iteration(
         rollout, trained_ids, group_ids[trained], advantages[trained],
         _locate(parts, set(trained_ids)), metrics, table,
     )  # fmt: skip
+
+
+def _advantages(
+    config: Config,
+    per_reward: dict[str, torch.Tensor],
+    total: torch.Tensor,
+    group_ids: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The advantages [N] under algorithm.reward_aggregation, and the iteration's data metrics
+    (per_reward, total, group_ids: [N], the kept samples')."""
+    section = config.algorithm
+    std_mode, clip, ddof = section.advantage_std, section.advantage_clip, section.advantage_std_ddof
+    if section.reward_aggregation == "weighted_sum":
+        advantages = compute_advantages(total, group_ids, std_mode=std_mode, clip=clip, ddof=ddof)
+        return advantages, data_metrics(per_reward, total, group_ids, advantages, clip=clip)
+    decoupled = normalize_each(
+        per_reward, config.reward.weights, group_ids, std_mode=std_mode, clip=clip, ddof=ddof
+    )
+    metrics = data_metrics(
+        per_reward, total, group_ids, decoupled.advantages, clip=clip,
+        per_reward_advantages=decoupled.per_reward,
+    )  # fmt: skip
+    return decoupled.advantages, metrics
 
 
 def _locate(parts, wanted: set[str]) -> list[tuple[int, int, int]]:

@@ -538,6 +538,16 @@ class AlgorithmSection:
         used_when=lambda algorithm: algorithm.advantage_std_ddof != 0,
     )
     advantage_clip: float = _option(5.0, "Advantages are clipped to +-this.", check=_positive)
+    # Came after runs existed: out of the hash at its default, as the window keys.
+    reward_aggregation: Literal["weighted_sum", "normalize_each"] = _option(
+        "weighted_sum",
+        "How several rewards make one advantage: weighted_sum takes the group-relative "
+        "advantage of the weighted total; normalize_each (GDPO) takes each reward's own "
+        "(advantage_std, advantage_std_ddof and eps as for the total; not with "
+        'advantage_std = "none"), sums them with the weights, then divides the sum by its std '
+        "over the iteration.",
+        used_when=lambda algorithm: algorithm.reward_aggregation != "weighted_sum",
+    )
     clip_range: float = _option(1e-4, "PPO clip range eps of the policy ratio.", check=_positive)
     beta: float = _option(
         0.04,

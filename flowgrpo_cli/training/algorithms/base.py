@@ -114,13 +114,21 @@ class Algorithm:
     # -- checks and rollout ------------------------------------------------------------------
 
     def check(self) -> None:
-        """Refuse settings this algorithm would ignore; rollout and update call it first."""
+        """Refuse settings this algorithm would ignore, or that undo each other; rollout and
+        update call it first."""
         self.anchor_schedule()
         if self.config.sampler.window_end != "stay" and not self.slides_window:
             raise FlowGrpoError(
                 f"sampler.window_end = {self.config.sampler.window_end!r} says where a sliding "
                 f'window ends (algorithm.name = "mixgrpo"); {self.name} does not slide one: '
                 "remove the key"
+            )
+        section = self.config.algorithm
+        if section.reward_aggregation == "normalize_each" and section.advantage_std == "none":
+            raise FlowGrpoError(
+                'algorithm.reward_aggregation = "normalize_each" divides each reward by its std, '
+                'which algorithm.advantage_std = "none" turns off: set advantage_std to "group" '
+                '(GDPO\'s) or "global", or leave reward_aggregation = "weighted_sum"'
             )
         self.check_ode_solver()
 
