@@ -348,16 +348,10 @@ def _remote_url(v: str) -> str | None:
 
 
 @dataclass
-class RemoteRewardSection(_CheckedSection):
-    """[reward.remote]: how the `remote` reward reaches its scoring server (it counts once
-    `url` is set)."""
+class HttpRewardSection(_CheckedSection):
+    """How a reward that asks an HTTP server waits and retries (rewards/transport.py): the
+    same keys in the table of every such reward."""
 
-    TABLE = "reward.remote"
-    url: str = _option(
-        "",
-        "URL the `remote` reward POSTs image batches to.",
-        check=_remote_url,
-    )
     timeout_s: float = _option(
         60.0,
         "Seconds one request may take, its whole reply included (then it is retried).",
@@ -372,7 +366,6 @@ class RemoteRewardSection(_CheckedSection):
         check=_at_least(0.0),
         affects_results=False,
     )
-    batch_size: int = _option(16, "Images per request.", check=_at_least(1))
     max_reply_mb: float = _option(
         16.0,
         "A larger reply is refused unread (the server is broken).",
@@ -386,6 +379,20 @@ class RemoteRewardSection(_CheckedSection):
         check=_positive,
         affects_results=False,
     )
+
+
+@dataclass
+class RemoteRewardSection(HttpRewardSection):
+    """[reward.remote]: how the `remote` reward reaches its scoring server (it counts once
+    `url` is set)."""
+
+    TABLE = "reward.remote"
+    url: str = _option(
+        "",
+        "URL the `remote` reward POSTs image batches to.",
+        check=_remote_url,
+    )
+    batch_size: int = _option(16, "Images per request.", check=_at_least(1))
 
 
 _HUB_REVISION = "Hub revision (branch, tag or commit) of `model`, resolved to a commit at load."
