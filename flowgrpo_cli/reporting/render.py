@@ -109,12 +109,17 @@ def render_reward_table(console: Console, images: Sequence[Path], result: Reward
     read = result.details.get("ocr", {}).get("text")
     if read is not None:
         table.add_column("OCR read")
+    replied = result.details.get("vlm", {}).get("reply")
+    if replied is not None:
+        table.add_column("VLM reply")
     table.add_column("error")
     for i, image in enumerate(images):
         values = [_number(result.columns[name][i]) for name in result.names]
         row = [str(image), *values, _number(result.reward[i])]
         if read is not None:
             row.append(repr(read[i]) if read[i] is not None else "-")
+        if replied is not None:
+            row.append(repr(replied[i]) if replied[i] is not None else "-")
         row.append(result.reward_error[i] or "")
         table.add_row(*row)
     console.print(table)

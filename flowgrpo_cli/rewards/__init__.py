@@ -1,9 +1,9 @@
 """Rewards for generated images: named in the config with weights, scored per image.
 
-Built in: `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`, `remote`, and the CLIP
-models `pickscore`, `clipscore`, `aesthetic`; any other name of the form `module:function` is
-a plugin. Importing this package loads no OCR engine and no torch: each reward's module is
-imported when it is built (see registry.py).
+Built in: `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`, `remote`, the `vlm`
+judge, and the CLIP models `pickscore`, `clipscore`, `aesthetic`; any other name of the form
+`module:function` is a plugin. Importing this package loads no OCR engine and no torch: each
+reward's module is imported when it is built (see registry.py).
 """
 
 from flowgrpo_cli.rewards.base import ImageScore, Need, Reward, RewardBatch, RewardOutput

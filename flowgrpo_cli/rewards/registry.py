@@ -25,6 +25,7 @@ _BUILDERS: dict[str, str] = {
     "pickscore": "flowgrpo_cli.rewards.clip:build_pickscore",
     "clipscore": "flowgrpo_cli.rewards.clip:build_clipscore",
     "aesthetic": "flowgrpo_cli.rewards.clip:build_aesthetic",
+    "vlm": "flowgrpo_cli.rewards.vlm:build_vlm",
 }
 REWARD_NAMES = tuple(_BUILDERS)
 

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import string
 import tomllib
 import typing
 import urllib.parse
@@ -343,7 +344,7 @@ def url_problem(url: str) -> str | None:
 
 
 def _remote_url(v: str) -> str | None:
-    problem = url_problem(v) if v else None  # "" : no remote reward
+    problem = url_problem(v) if v else None  # "" : no remote (or vlm) reward
     return f"is refused: {problem}" if problem else None
 
 
@@ -393,6 +394,118 @@ class RemoteRewardSection(HttpRewardSection):
         check=_remote_url,
     )
     batch_size: int = _option(16, "Images per request.", check=_at_least(1))
+
+
+TEMPLATE_FIELDS = ("prompt", "ground_truth")
+VLM_TEMPLATE = (
+    "Rate how well this image matches the description, from 0 (not at all) to 10 "
+    "(perfectly). Reply with the number only.\nDescription: {prompt}"
+)
+
+
+def template_fields(template: str) -> list[str]:
+    """The {placeholders} of a `vlm` prompt template, in order; ValueError if its braces are
+    unbalanced."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+
+
+def _vlm_template(v: str) -> str | None:
+    if not v.strip():
+        return "is empty: write the question the judge answers"
+    try:
+        fields = template_fields(v)
+    except ValueError as err:
+        return f"is not a template ({err}); write {{{{ and }}}} for a literal brace"
+    unknown = [name for name in fields if name not in TEMPLATE_FIELDS]
+    if unknown:
+        known = " and ".join(f"{{{name}}}" for name in TEMPLATE_FIELDS)
+        return (
+            f"uses {{{unknown[0]}}}: a template knows {known}; write {{{{ and }}}} for a "
+            "literal brace"
+        )
+    return None
+
+
+def _env_name(v: str) -> str | None:
+    if not v or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+        return None
+    return "must name an environment variable that holds the key (e.g. VLM_API_KEY), not the key"
+
+
+def _score_range(v: list[float]) -> str | None:
+    return None if len(v) == 2 and v[0] < v[1] else "must be [min, max] with min < max"
+
+
+def _parses_number(section: Any) -> bool:
+    return section.parse == "number"
+
+
+def _parses_yes_no(section: Any) -> bool:
+    return section.parse == "yes_no"
+
+
+@dataclass
+class VlmRewardSection(HttpRewardSection):
+    """[reward.vlm]: the `vlm` judge, a vision-language model behind an OpenAI-compatible
+    chat-completions server (vLLM, sglang), asked about each image."""
+
+    TABLE = "reward.vlm"
+    url: str = _option(
+        "",
+        "The server: its root (http://host:8000), its OpenAI base URL (.../v1) or the full "
+        ".../v1/chat/completions path.",
+        check=_remote_url,
+    )
+    model: str = _option("", "Model name the server serves (its --served-model-name).")
+    api_key_env: str = _option(
+        "",
+        'Environment variable holding the API key, sent as a Bearer token; "" = none.',
+        check=_env_name,
+        affects_results=False,
+    )
+    template: str = _option(
+        VLM_TEMPLATE,
+        "The question asked with each image; {prompt} is the image's prompt, {ground_truth} "
+        "its target text.",
+        check=_vlm_template,
+    )
+    parse: Literal["number", "yes_no"] = _option(
+        "number",
+        "How the reply becomes a score: number (the first number, mapped from score_range to "
+        "[0, 1]) or yes_no (P(yes) from the first answer token's log-probabilities).",
+    )
+    score_range: list[float] = _option(
+        [0.0, 10.0],
+        "[min, max] the judge's number must lie in; mapped linearly to [0, 1].",
+        check=_score_range,
+        used_when=_parses_number,
+    )
+    number_after: str = _option(
+        "",
+        'Read the number after the last occurrence of this text (e.g. "Final Score:"), '
+        'case-insensitive; "" = the reply\'s first number.',
+        used_when=_parses_number,
+    )
+    top_logprobs: int = _option(
+        20,
+        "Log-probabilities asked for per token (yes_no); most servers allow up to 20.",
+        check=lambda v: None if 1 <= v <= 20 else "must be in 1..20",
+        used_when=_parses_yes_no,
+    )
+    text_fallback: bool = _option(
+        False,
+        "yes_no without log-probabilities in the reply: score the reply's first yes / no as "
+        "1 / 0 instead of stopping.",
+        used_when=_parses_yes_no,
+    )
+    max_tokens: int = _option(512, "Most tokens the judge may reply with.", check=_at_least(1))
+    temperature: float = _option(0.0, "Sampling temperature of the judge.", check=_at_least(0.0))
+    concurrency: int = _option(
+        8,
+        "Requests in flight at once (one image each); the server batches them.",
+        check=_at_least(1),
+        affects_results=False,
+    )
 
 
 _HUB_REVISION = "Hub revision (branch, tag or commit) of `model`, resolved to a commit at load."
@@ -512,6 +625,7 @@ class RewardSection(_CheckedSection):
     pickscore: PickScoreSection = _reward_table("pickscore", PickScoreSection)
     clipscore: ClipScoreSection = _reward_table("clipscore", ClipScoreSection)
     aesthetic: AestheticSection = _reward_table("aesthetic", AestheticSection)
+    vlm: VlmRewardSection = _reward_table("vlm", VlmRewardSection)
 
 
 def _anchor_decay(v: list[float]) -> str | None:
