@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -497,3 +498,16 @@ def test_serve_reward_serves_the_judge(server):
     assert result.reward == [pytest.approx(0.3), None]
     assert result.reward_error[1] == "remote: server: vlm: no number in the reply 'no idea'"
     assert sorted(text_of(request)[-3:] for request in behaviour.requests) == ["cat", "dog"]
+
+
+def test_the_docs_examples_load(tmp_path, monkeypatch):
+    """docs/rewards.md's [reward.vlm] examples are valid configs that build the judge."""
+    page = (Path(__file__).parents[1] / "docs" / "rewards.md").read_text()
+    examples = [b for b in re.findall(r"```toml\n(.*?)```", page, re.S) if "[reward.vlm]" in b]
+    assert len(examples) == 2
+    for number, example in enumerate(examples):
+        config = tmp_path / f"example{number}.toml"
+        config.write_text(example)
+        options = load_config(config).reward.vlm
+        monkeypatch.setenv(options.api_key_env, "key")
+        assert build_vlm(load_config(config).reward).needs >= {"images", "prompts"}
