@@ -337,12 +337,12 @@ def test_chat_url_forms():
 
 def test_requests_in_flight_stay_within_concurrency(server):
     url, behaviour = server
-    behaviour.delay_s = 0.2
+    behaviour.delay_s = 0.4
     prompts = [f"p{i}" for i in range(6)]
     start = time.monotonic()
     judge(url, concurrency=3).score(batch(prompts))
     assert behaviour.most_in_flight == 3
-    assert time.monotonic() - start < 6 * 0.2  # overlapped: about 2 x 0.2 s
+    assert time.monotonic() - start < 6 * 0.4  # overlapped: about 2 x 0.4 s
     behaviour.most_in_flight = 0
     judge(url, concurrency=1).score(batch(prompts[:2]))
     assert behaviour.most_in_flight == 1
@@ -423,7 +423,7 @@ def test_a_failed_image_has_no_total_and_says_why(server):
         ("api_key_env", '"sk-abc-123"', "must name an environment variable"),
         ("score_range", "[5, 1]", "must be [min, max] with min < max"),
         ("score_range", "[1]", "must be [min, max] with min < max"),
-        ("top_logprobs", "0", "must be in 1..20"),
+        ("top_logprobs", "0", "must be >= 1"),
         ("parse", '"json"', "is not one of 'number', 'yes_no'"),
         ("url", '"judge:8000"', "expected an http:// or https:// URL"),
         ("concurrency", "0", "must be >= 1"),

@@ -456,7 +456,9 @@ class VlmRewardSection(HttpRewardSection):
         ".../v1/chat/completions path.",
         check=_remote_url,
     )
-    model: str = _option("", "Model name the server serves (its --served-model-name).")
+    model: str = _option(
+        "", "Model name the server serves (vLLM: the model path, or --served-model-name)."
+    )
     api_key_env: str = _option(
         "",
         'Environment variable holding the API key, sent as a Bearer token; "" = none.',
@@ -488,8 +490,9 @@ class VlmRewardSection(HttpRewardSection):
     )
     top_logprobs: int = _option(
         20,
-        "Log-probabilities asked for per token (yes_no); most servers allow up to 20.",
-        check=lambda v: None if 1 <= v <= 20 else "must be in 1..20",
+        "Log-probabilities asked for per token (yes_no); most servers give at most 20 "
+        "(vLLM: --max-logprobs).",
+        check=_at_least(1),
         used_when=_parses_yes_no,
     )
     text_fallback: bool = _option(
