@@ -21,9 +21,9 @@ held-out ones) and is what settings were chosen on; --split test is the held-out
 
 Writes OUT/<arm>/curve.jsonl per arm, OUT/learn.png (every arm on one chart) and OUT/learn.md
 (a table of the accuracy each arm reached by each mark, then one of each arm's best gain,
-minutes to +10 points and gain per minute against pre-training's). --report-only redraws both from the
-runs as they stand; --with NAME=RUN adds an arm of another learn folder (a variant run with
---set, or an arm's curve at another CFG scale from rescore.py) to them.
+minutes to +10 points and gain per minute against pre-training's). --report-only redraws
+both from the runs as they stand; --with NAME=RUN adds an arm of another learn folder (a
+variant run with --set, or an arm's curve at another CFG scale from rescore.py) to them.
 
 Run (the result of docs/experiments.md; then one arm on the validation prompts):
     python examples/toy_ocr/learn.py --out runs/learn
