@@ -420,7 +420,8 @@ def test_a_failed_image_has_no_total_and_says_why(server):
         ("template", '"Is it {promt}?"', "uses {promt}: a template knows {prompt} and"),
         ("template", '"Is it {prompt?"', "is not a template"),
         ("template", '"Rate {0}"', "uses {0}"),
-        ("api_key_env", '"sk-abc-123"', "must name an environment variable"),
+        ("api_key_env", '"sk-abc-123"', "= (value not shown) must name, in upper case, an"),
+        ("api_key_env", '"abcDEF123"', "= (value not shown) must name, in upper case, an"),
         ("score_range", "[5, 1]", "must be [min, max] with min < max"),
         ("score_range", "[1]", "must be [min, max] with min < max"),
         ("top_logprobs", "0", "must be >= 1"),
@@ -435,6 +436,8 @@ def test_bad_settings_name_the_key(tmp_path, key, value, message):
     with pytest.raises(FlowGrpoError, match=re.escape(message)) as caught:
         load_config(config)
     assert f"{config}:5: `reward.vlm.{key}`" in str(caught.value)
+    if key == "api_key_env":  # a pasted key is not printed back
+        assert value.strip('"') not in str(caught.value)
 
 
 def test_missing_server_model_or_key_are_clear_errors(monkeypatch):

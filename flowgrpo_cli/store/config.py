@@ -45,15 +45,17 @@ def _option(
     path: Literal["", "local", "hub", "output"] = "",
     affects_results: bool = True,
     used_when: Callable[[Any], bool] | None = None,
+    secret: bool = False,
 ) -> Any:
     """A config key: its default, the help the reference prints, a check of its value, and
     whether it is a path: a `local` input (stored absolute), a `hub` one (a local folder or hub
     id) or an `output` (run.dir); see `_expand_path` for what each is relative to.
     `used_when(section)` false: the key changes nothing in this config, so the hash skips it
-    (a new reward's settings leave the hash of runs that do not use it alone)."""
+    (a new reward's settings leave the hash of runs that do not use it alone). `secret`: a
+    value that fails its check is not echoed (a key pasted where its variable's name goes)."""
     meta = {
         "help": help, "check": check, "path": path, "affects_results": affects_results,
-        "used_when": used_when,
+        "used_when": used_when, "secret": secret,
     }  # fmt: skip
     if isinstance(default, list | dict):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
@@ -427,9 +429,14 @@ def _vlm_template(v: str) -> str | None:
 
 
 def _env_name(v: str) -> str | None:
-    if not v or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+    # Upper case only, as environment variables are by convention: a pasted key (mixed case,
+    # dashes) fails here, and the error does not print it (the option is `secret`).
+    if not v or re.fullmatch(r"[A-Z_][A-Z0-9_]*", v):
         return None
-    return "must name an environment variable that holds the key (e.g. VLM_API_KEY), not the key"
+    return (
+        "must name, in upper case, an environment variable that holds the key "
+        "(e.g. VLM_API_KEY), not the key"
+    )
 
 
 def _score_range(v: list[float]) -> str | None:
@@ -464,6 +471,7 @@ class VlmRewardSection(HttpRewardSection):
         'Environment variable holding the API key, sent as a Bearer token; "" = none.',
         check=_env_name,
         affects_results=False,
+        secret=True,
     )
     template: str = _option(
         VLM_TEMPLATE,
@@ -1094,7 +1102,8 @@ def _build_section(
         meta = fields[key].metadata
         problem = meta["check"](coerced) if meta.get("check") else None
         if problem:
-            errors.append(f"{source.where(dotted)}: `{dotted}` = {value!r} {problem}")
+            shown = "(value not shown)" if meta.get("secret") else repr(value)
+            errors.append(f"{source.where(dotted)}: `{dotted}` = {shown} {problem}")
             continue
         path_kind = meta.get("path")
         values[key] = (
