@@ -27,7 +27,6 @@ from flowgrpo_cli.models import Conditioning
 from flowgrpo_cli.store.rundir import ROLLOUT
 from flowgrpo_cli.store.trajectory import STEP_COLUMNS, from_record_batch, iter_batches, open_part
 from flowgrpo_cli.training.algorithms import algorithm_for
-from flowgrpo_cli.training.algorithms.forward_process import training_guidance
 
 ONE = (1, 1)  # a batch of one sample whose latent is a single element
 
@@ -282,9 +281,17 @@ def test_train_cfg_is_refused_where_it_cannot_apply(make_run):
         with pytest.raises(FlowGrpoError, match=f"train_cfg is for nft and awm; {name}"):
             do_update(config, run)
     config, _ = make_run("algorithm.name=awm", "algorithm.train_cfg=true", name="awm")
+    awm = algorithm_for(config)
     with pytest.raises(FlowGrpoError, match="sampled with guidance_scale 1, without CFG"):
-        training_guidance(config, 1.0, guidance_embeds=False)
-    assert training_guidance(config, 4.5, guidance_embeds=False) == 4.5
+        awm.trained_guidance(1.0, guidance_embeds=False)
+    assert awm.trained_guidance(4.5, guidance_embeds=False) == 4.5
+    # Without train_cfg: the conditional velocity, or the embedded scale of a distilled model;
+    # a trajectory algorithm trains the velocity it sampled with.
+    config, _ = make_run("algorithm.name=awm", name="awm-plain")
+    assert algorithm_for(config).trained_guidance(4.5, guidance_embeds=False) == 1.0
+    assert algorithm_for(config).trained_guidance(3.5, guidance_embeds=True) == 3.5
+    config, _ = make_run(name="flow-grpo-plain")
+    assert algorithm_for(config).trained_guidance(4.5, guidance_embeds=False) == 4.5
 
 
 def test_nft_draws_distinct_steps_of_the_grid():

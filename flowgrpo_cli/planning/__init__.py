@@ -160,7 +160,7 @@ def _sampling_steps(config: Config) -> int:
 
 
 def _passes(config: Config, arch: Any, iterations: int) -> tuple[dict[str, Passes], int]:
-    from flowgrpo_cli.planning.memory import cfg_layout, evaluation_prompts, train_guidance
+    from flowgrpo_cli.planning.memory import cfg_layout, evaluation_prompts
     from flowgrpo_cli.training.algorithms import algorithm_for
 
     algorithm = config.algorithm
@@ -171,10 +171,12 @@ def _passes(config: Config, arch: Any, iterations: int) -> tuple[dict[str, Passe
     rollout = Passes(
         images, images * steps * cfg, 0, f"{steps} steps x CFG factor {cfg}, {images} VAE decodes"
     )
-    t_per_forward, t_forwards = cfg_layout(arch, train_guidance(config, arch))
+    method = algorithm_for(config)
+    t_per_forward, t_forwards = cfg_layout(
+        arch, method.trained_guidance(config.sampler.guidance_scale, arch.guidance_embeds)
+    )
     t_cfg = t_per_forward * t_forwards
     epochs = config.train.inner_epochs
-    method = algorithm_for(config)
     trained, terms = method.trained_terms()
     no_grad = method.no_grad_forwards()
     recompute = 0

@@ -333,23 +333,14 @@ def _rollout(config, arch, s: Shapes, base, trained: int) -> StageMemory:
     return StageMemory(items)
 
 
-def train_guidance(config: Config, arch: Architecture) -> float:
-    """The guidance scale of the update's forwards: the rollout's for the flow_grpo family;
-    for nft / awm training.forward_process.training_guidance's choice (1: CFG-free)."""
-    scale = config.sampler.guidance_scale
-    if algorithm_for(config).needs_trajectory:
-        return scale
-    if config.algorithm.train_cfg and scale > 1.0:
-        return scale
-    return scale if arch.guidance_embeds else 1.0
-
-
 def _update(config, arch, s: Shapes, base, trained: int) -> StageMemory:
     algorithm = algorithm_for(config)
     images = config.algorithm.group_size * config.algorithm.prompts_per_iteration
     per_step = math.ceil(images / (config.train.steps_per_epoch * s.nproc))
     micro = min(config.train.micro_batch_size, max(per_step, 1))
-    guidance = train_guidance(config, arch)
+    guidance = algorithm_for(config).trained_guidance(
+        config.sampler.guidance_scale, arch.guidance_embeds
+    )
     per_forward, forwards = cfg_layout(arch, guidance)
     sequences = micro * per_forward
     negative = 2 if per_forward * forwards > 1 else 1

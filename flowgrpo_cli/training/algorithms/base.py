@@ -197,6 +197,11 @@ class Algorithm:
         """How many loss terms each image adds to an update, and what they are (planning)."""
         raise NotImplementedError
 
+    def trained_guidance(self, guidance_scale: float, guidance_embeds: bool) -> float:
+        """The guidance scale of the velocity the update trains, given the rollout's: the
+        sampled one, whose step log-probabilities the trajectory algorithms score."""
+        return guidance_scale
+
     # -- the update ----------------------------------------------------------------------------
 
     def begin_update(self, context: UpdateContext) -> None:

@@ -23,21 +23,6 @@ from flowgrpo_cli.training.algorithms.base import Algorithm, MicroBatch, UpdateC
 
 if TYPE_CHECKING:
     from flowgrpo_cli.algorithm.loss import LossMetrics, LossTerms
-    from flowgrpo_cli.store.config import Config
-
-
-def training_guidance(config: Config, guidance_scale: float, guidance_embeds: bool) -> float:
-    """The guidance scale of the trained velocity, given the rollout's: 1 (the conditional
-    velocity) unless algorithm.train_cfg or a guidance-distilled model's embedded input."""
-    if not config.algorithm.train_cfg:
-        return guidance_scale if guidance_embeds else 1.0
-    if guidance_scale <= 1.0:
-        raise FlowGrpoError(
-            f"algorithm.train_cfg: the images were sampled with guidance_scale "
-            f"{guidance_scale:g}, without CFG, so there is no guided velocity to train: "
-            "set sampler.guidance_scale > 1 or leave train_cfg false"
-        )
-    return guidance_scale
 
 
 @dataclass(frozen=True)
@@ -93,6 +78,19 @@ class ForwardProcess(Algorithm):
         """algorithm.train_timesteps, or the method's own count when it is 0."""
         return self.config.algorithm.train_timesteps or self.default_timestep_count(num_steps)
 
+    def trained_guidance(self, guidance_scale: float, guidance_embeds: bool) -> float:
+        """1 (the conditional velocity) unless algorithm.train_cfg or a guidance-distilled
+        model's embedded input."""
+        if not self.config.algorithm.train_cfg:
+            return guidance_scale if guidance_embeds else 1.0
+        if guidance_scale <= 1.0:
+            raise FlowGrpoError(
+                f"algorithm.train_cfg: the images were sampled with guidance_scale "
+                f"{guidance_scale:g}, without CFG, so there is no guided velocity to train: "
+                "set sampler.guidance_scale > 1 or leave train_cfg false"
+            )
+        return guidance_scale
+
     def trained_terms(self) -> tuple[int, str]:
         return self.train_timestep_count(self.config.sampler.num_steps), "noise level(s)"
 
@@ -124,8 +122,8 @@ class ForwardProcess(Algorithm):
             self.draw(context.iteration, batch.epoch, sid, tuple(x0.shape[1:]), len(grid))
             for sid in rows.sample_ids
         ]
-        guidance = training_guidance(
-            self.config, rollout.sampler.guidance_scale, getattr(adapter, "guidance_embeds", False)
+        guidance = self.trained_guidance(
+            rollout.sampler.guidance_scale, getattr(adapter, "guidance_embeds", False)
         )
         count = len(draws[0].indices)
         weight = batch.weight()
