@@ -47,16 +47,9 @@ class ClipModel:
     `options` is the config's [reward] table (device, dtype, batch_size)."""
 
     def __init__(self, source: Source, processor: Source, options: RewardSection, key: str) -> None:
-        import torch
         from transformers import AutoProcessor, CLIPModel
 
-        from flowgrpo_cli.launch.distributed import resolve_device
-
-        self.device = resolve_device(options.device)
-        if options.dtype == "auto":
-            self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = getattr(torch, options.dtype)  # a name the config's Literal checked
+        self.device, self.dtype = reward_device_and_dtype(options)
         self.batch_size = options.batch_size
         self.model_source = resolve_folder(*source, "config.json", f"[{key}] model")
         self.processor_source = (
@@ -78,12 +71,16 @@ class ClipModel:
 
         parts = []
         for start in range(0, len(images), self.batch_size):
-            chunk = [image.convert("RGB") for image in images[start : start + self.batch_size]]
-            pixels = self.processor(images=chunk, return_tensors="pt")["pixel_values"]
+            pixels = self.pixels(images[start : start + self.batch_size])
             with torch.inference_mode():
                 out = self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))
             parts.append(_normalized(out.pooler_output))
         return torch.cat(parts)
+
+    def pixels(self, images: list[Image.Image]) -> torch.Tensor:
+        """[N, 3, H, W] float32: the model's processor on the RGB images."""
+        chunk = [image.convert("RGB") for image in images]
+        return self.processor(images=chunk, return_tensors="pt")["pixel_values"]
 
     def text_embeddings(self, texts: list[str]) -> torch.Tensor:
         """float32 [N, D], each row of norm 1."""
@@ -114,6 +111,18 @@ class ClipModel:
 
     def close(self) -> None:
         del self.model  # frees the GPU memory once the reward is dropped
+
+
+def reward_device_and_dtype(options: RewardSection) -> tuple[torch.device, torch.dtype]:
+    """`[reward] device` and `dtype`; dtype auto: float16 on a GPU, float32 on the CPU."""
+    import torch
+
+    from flowgrpo_cli.launch.distributed import resolve_device
+
+    device = resolve_device(options.device)
+    if options.dtype == "auto":
+        return device, torch.float16 if device.type == "cuda" else torch.float32
+    return device, getattr(torch, options.dtype)  # a name the config's Literal checked
 
 
 def _normalized(embeddings: torch.Tensor) -> torch.Tensor:
@@ -166,7 +175,7 @@ class PickScoreReward(_ClipReward):
 
     def _values(self, batch: RewardBatch) -> torch.Tensor:
         assert batch.prompts is not None  # RewardSet checks `needs`
-        cosine = _paired_cosine(self.clip, batch.images, batch.prompts)
+        cosine = paired_cosine(self.clip, batch.images, batch.prompts)
         return self.clip.logit_scale * cosine / PICKSCORE_SCALE
 
 
@@ -180,10 +189,10 @@ class ClipScoreReward(_ClipReward):
 
     def _values(self, batch: RewardBatch) -> torch.Tensor:
         assert batch.prompts is not None
-        return _paired_cosine(self.clip, batch.images, batch.prompts)
+        return paired_cosine(self.clip, batch.images, batch.prompts)
 
 
-def _paired_cosine(clip: ClipModel, images: list[Image.Image], texts: list[str]) -> torch.Tensor:
+def paired_cosine(clip: ClipModel, images: list[Image.Image], texts: list[str]) -> torch.Tensor:
     """cos(image i, text i) for every i."""
     return (clip.image_embeddings(images) * clip.text_embeddings(texts)).sum(dim=-1)
 
