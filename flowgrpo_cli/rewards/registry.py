@@ -26,6 +26,7 @@ _BUILDERS: dict[str, str] = {
     "clipscore": "flowgrpo_cli.rewards.clip:build_clipscore",
     "aesthetic": "flowgrpo_cli.rewards.clip:build_aesthetic",
     "vlm": "flowgrpo_cli.rewards.vlm:build_vlm",
+    "hpsv2": "flowgrpo_cli.rewards.hps:build_hpsv2",
 }
 REWARD_NAMES = tuple(_BUILDERS)
 

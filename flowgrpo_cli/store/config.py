@@ -529,6 +529,11 @@ CLIPSCORE_MODEL = "openai/clip-vit-large-patch14"
 AESTHETIC_CLIP = "openai/clip-vit-large-patch14"
 AESTHETIC_HEAD = "trl-lib/ddpo-aesthetic-predictor"
 AESTHETIC_HEAD_FILE = "aesthetic-model.pth"
+# HPSv2's released checkpoints (open_clip state dicts of its fine-tuned ViT-H-14) and the
+# open_clip base it fine-tunes, whose config and tokenizer transformers reads.
+HPSV2_CHECKPOINT = "xswu/HPSv2"
+HPSV2_FILES = {"v2": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
+HPSV2_BASE = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
 
 
 @dataclass
@@ -573,7 +578,32 @@ class AestheticSection(_CheckedSection):
     head_revision: str = _option("main", "Hub revision of `head`.")
 
 
-MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")
+@dataclass
+class HpsV2Section(_CheckedSection):
+    TABLE = "reward.hpsv2"
+
+    version: Literal["v2", "v2.1"] = _option(
+        "v2.1",
+        "Which HPS: v2 (HPS_v2_compressed.pt) or v2.1 (HPS_v2.1_compressed.pt, trained on "
+        "more data).",
+    )
+    checkpoint: str = _option(
+        HPSV2_CHECKPOINT,
+        "The released open_clip checkpoint: a hub id or folder holding the version's file, "
+        "or the .pt file itself.",
+        path="hub",
+    )
+    checkpoint_revision: str = _option("main", "Hub revision of `checkpoint`.")
+    base: str = _option(
+        HPSV2_BASE,
+        "The CLIP ViT-H/14 HPSv2 fine-tunes: hub id or folder; only its config.json (the "
+        "architecture) and tokenizer are read.",
+        path="hub",
+    )
+    base_revision: str = _option("main", "Hub revision of `base`.")
+
+
+MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic", "hpsv2")
 
 
 def _uses_model_reward(section: Any) -> bool:
@@ -619,7 +649,7 @@ class RewardSection(_CheckedSection):
     )
     device: str = _option(
         "auto",
-        "Device of the model rewards (pickscore, clipscore, aesthetic): auto (this rank's "
+        "Device of the model rewards (pickscore, clipscore, aesthetic, hpsv2): auto (this rank's "
         "GPU, else the CPU), cpu, cuda, cuda:N.",
         affects_results=False,
     )
@@ -637,6 +667,7 @@ class RewardSection(_CheckedSection):
     clipscore: ClipScoreSection = _reward_table("clipscore", ClipScoreSection)
     aesthetic: AestheticSection = _reward_table("aesthetic", AestheticSection)
     vlm: VlmRewardSection = _reward_table("vlm", VlmRewardSection)
+    hpsv2: HpsV2Section = _reward_table("hpsv2", HpsV2Section)
 
 
 def _anchor_decay(v: list[float]) -> str | None:
