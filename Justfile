@@ -114,7 +114,7 @@ disk-projection: setup
     {{offline}} {{python}} -m benchmarks.disk_projection
 
 # Counted from their released architectures on the meta device (docs/rewards.md).
-# Weights memory of the model rewards (pickscore, clipscore, aesthetic).
+# Weights memory of the model rewards (pickscore, clipscore, aesthetic, hpsv2).
 reward-memory: setup
     {{offline}} {{python}} -m benchmarks.reward_memory
 

@@ -18,7 +18,9 @@ CLIP_L14 = {  # openai/clip-vit-large-patch14
                       "num_hidden_layers": 24, "image_size": 224, "patch_size": 14},
     "projection_dim": 768,
 }  # fmt: skip
-CLIP_H14 = {  # laion/CLIP-ViT-H-14-laion2B-s32B-b79K, and yuvalkirstain/PickScore_v1
+# laion/CLIP-ViT-H-14-laion2B-s32B-b79K, yuvalkirstain/PickScore_v1, and HPSv2's open_clip
+# ViT-H-14 (the same shapes: model_configs/ViT-H-14.json)
+CLIP_H14 = {
     "text_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16,
                     "num_hidden_layers": 24, "vocab_size": 49408, "max_position_embeddings": 77},
     "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_attention_heads": 16,
@@ -49,6 +51,7 @@ def main() -> None:
         "pickscore (PickScore_v1, CLIP ViT-H/14)": clip_parameters(CLIP_H14),
         "clipscore (CLIP ViT-L/14)": clip_parameters(CLIP_L14),
         "aesthetic (CLIP ViT-L/14 + MLP head)": clip_parameters(CLIP_L14) + head_parameters(768),
+        "hpsv2 (HPS v2 / v2.1, open_clip ViT-H/14)": clip_parameters(CLIP_H14),
     }
     print("| reward | parameters | weights, float16 | weights, float32 |")
     print("|---|---|---|---|")
