@@ -254,6 +254,17 @@ def test_the_version_picks_the_file_and_batches_agree(models):
         assert rewards.info["hpsv2"]["checkpoint"].endswith("/HPS_v2_compressed.pt")
 
 
+def test_html_entities_in_prompts_are_unescaped_as_open_clip_does(models):
+    data = batch(2)
+    escaped = RewardBatch(data.images, ["Tom &amp; Jerry", "a &amp;lt;b&amp;gt; tag"])
+    plain = RewardBatch(data.images, ["Tom & Jerry", "a <b> tag"])  # unescaped twice
+    with build_rewards({"hpsv2": 1.0}, options(models)) as rewards:
+        got, expected = (rewards.score(b).columns["hpsv2"] for b in (escaped, plain))
+        literal = rewards.score(RewardBatch(data.images, ["Tom and Jerry", "a tag"]))
+    assert got == pytest.approx(expected, abs=1e-6)
+    assert literal.columns["hpsv2"] != pytest.approx(expected, abs=1e-4)  # the text counts
+
+
 def test_needs_are_known_without_loading_a_model():
     assert reward_needs("hpsv2") == {"images", "prompts"}
 

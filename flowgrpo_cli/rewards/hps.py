@@ -23,6 +23,7 @@ with OpenAI CLIP's mean and std.
 
 from __future__ import annotations
 
+import html
 import pickle
 import re
 from collections.abc import Mapping
@@ -180,7 +181,8 @@ def hps_pixels(image: Image.Image, size: int) -> torch.Tensor:
 
 class HpsModel(ClipModel):
     """HPSv2's ViT-H/14 on transformers' CLIPModel: images through HPSv2's transform, prompts
-    through the base's CLIP tokenizer (open_clip's BPE vocabulary, 77 tokens)."""
+    through the base's CLIP tokenizer (open_clip's BPE vocabulary, 77 tokens; the same ids as
+    open_clip's tokenizer, ftfy's repair of mis-decoded text aside)."""
 
     def __init__(self, options: RewardSection) -> None:
         import torch
@@ -205,6 +207,11 @@ class HpsModel(ClipModel):
         torch.nn.Module.to(self.model, self.device, self.dtype)
         self.model.eval().requires_grad_(False)
         self.processor = _from_pretrained(AutoTokenizer, base)  # called as ClipModel calls it
+
+    def text_embeddings(self, texts: list[str]) -> torch.Tensor:
+        # open_clip's tokenizer unescapes HTML entities twice before the BPE ("&amp;amp;" is
+        # "&"); its other cleaning (white space, lower case) is the CLIP tokenizer's too.
+        return super().text_embeddings([html.unescape(html.unescape(t)).strip() for t in texts])
 
     def pixels(self, images: list[Image.Image]) -> torch.Tensor:
         import torch
