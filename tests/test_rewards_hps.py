@@ -317,3 +317,22 @@ def test_flowgrpo_reward_scores_with_hpsv2_from_a_config(models, tmp_path):
     with build_rewards({"hpsv2": 1.0}, options(models)) as rewards:
         expected = rewards.score(data).columns["hpsv2"][0]
     assert f"{expected:.4f}" in result.output, result.output
+
+
+def test_flowgrpo_plan_counts_the_hpsv2_model():
+    """HPSv2's ViT-H-14 has the shapes of laion's CLIP-ViT-H-14: 986.1M parameters, 4 bytes
+    each in float32 (the CPU's auto dtype)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from flowgrpo_cli.cli import app
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "sd35m_ocr.toml"
+    args = ["plan", "--config", str(example), "--json", "--set", "reward.dtype=float32",
+            "--set", "reward.weights={ocr = 1.0, hpsv2 = 1.0}"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    items = dict(json.loads(result.output)["memory"]["score"]["items"])
+    size = items["reward model hpsv2 (986M x float32)"]
+    assert size == pytest.approx(4 * 986.1e6, rel=1e-3)

@@ -68,7 +68,10 @@ CLIP_H14: dict[str, Any] = {
     },
     "projection_dim": 1024,
 }
-REWARD_CLIPS = {"pickscore": CLIP_H14, "clipscore": CLIP_L14, "aesthetic": CLIP_L14}
+# HPSv2 fine-tunes open_clip's ViT-H-14: the same shapes as CLIP_H14.
+REWARD_CLIPS = {
+    "pickscore": CLIP_H14, "clipscore": CLIP_L14, "aesthetic": CLIP_L14, "hpsv2": CLIP_H14,
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
