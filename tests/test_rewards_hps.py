@@ -336,3 +336,32 @@ def test_flowgrpo_plan_counts_the_hpsv2_model():
     items = dict(json.loads(result.output)["memory"]["score"]["items"])
     size = items["reward model hpsv2 (986M x float32)"]
     assert size == pytest.approx(4 * 986.1e6, rel=1e-3)
+
+
+def test_hub_ids_are_read_at_their_commits_and_dtypes_apply(models, tmp_path, monkeypatch):
+    import shutil
+
+    commits = {"tiny-org/hps": "1" * 40, "tiny-org/base": "2" * 40}
+    cache = tmp_path / "hub"
+    for repo, folder in (("tiny-org/hps", "hps"), ("tiny-org/base", "base")):
+        repo_dir = cache / f"models--{repo.replace('/', '--')}"
+        shutil.copytree(models / folder, repo_dir / "snapshots" / commits[repo])
+        (repo_dir / "refs").mkdir()
+        (repo_dir / "refs" / "main").write_text(commits[repo])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    hub = RewardSection(
+        device="cpu", dtype="bfloat16",
+        hpsv2=HpsV2Section(checkpoint="tiny-org/hps", base="tiny-org/base"),
+    )  # fmt: skip
+    with build_rewards({"hpsv2": 1.0}, hub) as rewards:
+        info = rewards.info["hpsv2"]
+        assert rewards._rewards[0].clip.model.dtype == torch.bfloat16
+        half = rewards.score(batch(4)).columns["hpsv2"]
+    assert info["checkpoint"] == f"tiny-org/hps@{'1' * 40}/HPS_v2.1_compressed.pt"
+    assert info["base"] == f"tiny-org/base@{'2' * 40}" and info["dtype"] == "bfloat16"
+    with build_rewards({"hpsv2": 1.0}, options(models)) as rewards:
+        full = rewards.score(batch(4)).columns["hpsv2"]
+    # bfloat16 weights move the embeddings a little; the cosine is still taken in float32.
+    assert half == pytest.approx(full, abs=0.05) and half != full
