@@ -23,9 +23,10 @@ from flowgrpo_cli.launch.distributed import dist_info
 from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
+from flowgrpo_cli.rewards.base import GENEVAL_KEY
 from flowgrpo_cli.store.config import Config, config_hash
 from flowgrpo_cli.store.contract import SamplerSettings
-from flowgrpo_cli.store.datatable import read_split
+from flowgrpo_cli.store.datatable import geneval_records, read_split
 from flowgrpo_cli.store.rundir import (
     CHECKPOINT,
     EVAL,
@@ -186,8 +187,9 @@ def run(
         progress.start(f"eval iter {iteration}", total=len(mine))
         scorer = rewards if rewards is not None else build_rewards_from_config(config.reward)
         try:
+            records = geneval_records(read_split(run, "test"))
             table = _sample_and_score(
-                mine, engine, scorer, settings, config.sampler.batch_size, progress
+                mine, records, engine, scorer, settings, config.sampler.batch_size, progress
             )
         finally:
             if rewards is None:
@@ -208,15 +210,24 @@ def run(
     return run_stage(writer, evaluate_my_prompts, finish)
 
 
+def _metadata(request: SampleRequest, records: dict[int, dict]) -> dict:
+    meta: dict = {"sample_id": request.sample_id, "group_id": request.group_id}
+    if request.prompt_index in records:
+        meta[GENEVAL_KEY] = records[request.prompt_index]
+    return meta
+
+
 def _sample_and_score(
     requests: list[SampleRequest],
+    records: dict[int, dict],
     engine: RolloutEngine,
     rewards: RewardSet,
     settings: SamplerSettings,
     batch_size: int,
     progress: Progress,
 ) -> pa.Table:
-    """ODE images of `requests`, PNG-encoded and scored: one row per request."""
+    """ODE images of `requests`, PNG-encoded and scored: one row per request. `records`:
+    prompt_index -> GenEval record of the test prompts that have one."""
     from flowgrpo_cli.models import to_pil, to_png
     from flowgrpo_cli.rewards.base import RewardBatch
 
@@ -228,7 +239,7 @@ def _sample_and_score(
             images=to_pil(pixels),
             prompts=[r.prompt for r in chunk],
             ground_truths=[r.ground_truth for r in chunk],
-            metadata=[{"sample_id": r.sample_id, "group_id": r.group_id} for r in chunk],
+            metadata=[_metadata(r, records) for r in chunk],
         ))  # fmt: skip
         columns = {
             "sample_id": pa.array([r.sample_id for r in chunk], pa.string()),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.imports import add_plugin_dirs
-from flowgrpo_cli.rewards.registry import reward_needing_targets
+from flowgrpo_cli.rewards.registry import reward_needing
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.prompts import (
     PromptRow,
@@ -36,11 +36,16 @@ if TYPE_CHECKING:
     from flowgrpo_cli.launch.stage import StageResult
 
 SPLITS = ("train", "test")
-COLUMNS = ("prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source")
+COLUMNS = (
+    "prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source",
+    "geneval",
+)  # fmt: skip
 
 
-def _load(path: Path, skip_invalid: bool, needs_target: str | None) -> tuple[list[PromptRow], int]:
-    parsed = read_prompt_file(path, needs_target)
+def _load(
+    path: Path, skip_invalid: bool, needs_target: str | None, needs_record: str | None
+) -> tuple[list[PromptRow], int]:
+    parsed = read_prompt_file(path, needs_target, needs_record)
     if parsed.problems and not skip_invalid:
         raise FlowGrpoError(
             f"{len(parsed.problems)} invalid prompt row(s) in {path} "
@@ -89,6 +94,7 @@ def _table(rows: list[PromptRow], data: Any):  # -> pyarrow.Table
         ),
         "system_prompt": pa.array([data.system_prompt] * len(rows), pa.string()),
         "source": pa.array([r.source for r in rows], pa.string()),
+        "geneval": pa.array([r.geneval for r in rows], pa.string()),  # JSON, or null
     }
     return pa.table(columns)
 
@@ -137,19 +143,23 @@ def run(config: Config, run: RunDir) -> StageResult:
         )
     train_path = Path(data.train)
     test_path = Path(data.test) if data.test else None
-    # Prompts need a target only when a configured reward reads one (OCR): then it is named.
+    # Prompts need a target only when a configured reward reads one (OCR): then it is named;
+    # likewise a GenEval record.
     add_plugin_dirs(config.reward.plugin_dirs)
-    needs_target = reward_needing_targets(config.reward.weights)
+    needs_target = reward_needing(config.reward.weights, "ground_truths")
+    needs_record = reward_needing(config.reward.weights, "geneval")
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
     identity = {
         "config": config_hash(config, STAGE_SECTIONS[PREPARE.name]),
         "inputs": inputs,
         "targets_needed_by": needs_target,  # another reward set may accept other rows
+        # only when set: runs prepared before GenEval records keep their identity
+        **({"records_needed_by": needs_record} if needs_record else {}),
     }
     # Read and check the prompts before the data folder exists: bad input leaves no trace.
-    train, skipped = _load(train_path, data.skip_invalid, needs_target)
+    train, skipped = _load(train_path, data.skip_invalid, needs_target, needs_record)
     if test_path is not None:
-        test, skipped_test = _load(test_path, data.skip_invalid, needs_target)
+        test, skipped_test = _load(test_path, data.skip_invalid, needs_target, needs_record)
         skipped += skipped_test
     else:
         train, test = _split(train, data.test_fraction, config.run.seed)

@@ -26,28 +26,37 @@ from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_i
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest
+from flowgrpo_cli.store.datatable import geneval_records, read_split
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, StageWriter, manifest_hash
 from flowgrpo_cli.store.trajectory import iter_batches, open_part, read_table, write_table
 
 # Schema metadata key of a score part: what scored it (RewardSet.info), as JSON.
 REWARD_INFO = "flowgrpo.rewards"
-_READ_COLUMNS = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
+_READ_COLUMNS = ["sample_id", "group_id", "prompt_index", "prompt", "ground_truth", "image"]
 # Scores the named rollout parts (each with `score_part`) and returns the number of images.
 PartsScorer = Callable[[list[str], Progress], int]
 
 
-def _reward_batches(path, progress: Progress):
+def _reward_batches(path, records: dict[int, dict], progress: Progress):
+    """The part's images in batches; `records`: prompt_index -> GenEval record, put in the
+    metadata of every image of a prompt that has one."""
     from PIL import Image
 
-    from flowgrpo_cli.rewards.base import RewardBatch
+    from flowgrpo_cli.rewards.base import GENEVAL_KEY, RewardBatch
 
     for batch in iter_batches([path], _READ_COLUMNS):
         rows = batch.to_pylist()
+        metadata = []
+        for r in rows:
+            meta = {"sample_id": r["sample_id"], "group_id": r["group_id"]}
+            if r["prompt_index"] in records:
+                meta[GENEVAL_KEY] = records[r["prompt_index"]]
+            metadata.append(meta)
         yield RewardBatch(
             images=[Image.open(io.BytesIO(r["image"])).convert("RGB") for r in rows],
             prompts=[r["prompt"] for r in rows],
             ground_truths=[r["ground_truth"] for r in rows],
-            metadata=[{"sample_id": r["sample_id"], "group_id": r["group_id"]} for r in rows],
+            metadata=metadata,
         )
         progress.advance(len(rows))  # the batch was scored before the generator resumes
 
@@ -83,8 +92,9 @@ def score_part(
     rollout_dir, stage_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
     sample_ids = read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
     progress.start(_label(iteration, name), total=len(sample_ids))
+    records = geneval_records(read_split(run, "train"))  # rollout's prompt_index is a row
     scored = score_batches(
-        rewards, _reward_batches(rollout_dir / name, progress), config.reward.on_error
+        rewards, _reward_batches(rollout_dir / name, records, progress), config.reward.on_error
     )
     progress.finish()
     write_table(stage_dir / name, _score_table(scored, sample_ids, rewards.info))

@@ -14,15 +14,18 @@ from typing import Any, Literal, Protocol, SupportsFloat, cast
 
 from PIL import Image
 
-# What a reward may need from a batch besides metadata, which is always there (maybe empty).
-Need = Literal["images", "prompts", "ground_truths"]
+# What a reward may need from a batch besides metadata, which is always there (maybe empty);
+# "geneval": every image's metadata holds its GenEval record under GENEVAL_KEY.
+Need = Literal["images", "prompts", "ground_truths", "geneval"]
+GENEVAL_KEY = "geneval"
 
 
 @dataclass(frozen=True)
 class RewardBatch:
     """Images to score and what they were made from; every list has one entry per image.
 
-    `metadata` holds a dict per image (the score stage puts sample_id and group_id there);
+    `metadata` holds a dict per image (the score stage puts sample_id and group_id there, and
+    the prompt's GenEval record, a dict, under GENEVAL_KEY when it has one);
     `ground_truths[i]` is the OCR target of image i, or None when its prompt has none.
     """
 
@@ -57,6 +60,10 @@ class RewardBatch:
         )
 
     def has(self, need: Need) -> bool:
+        if need == "geneval":
+            return self.metadata is not None and all(
+                meta.get(GENEVAL_KEY) is not None for meta in self.metadata
+            )
         return getattr(self, need) is not None
 
     def metadata_with_ground_truth(self) -> list[dict[str, Any]]:

@@ -66,6 +66,7 @@ def reward_needs(name: str) -> frozenset[Need]:
     return reward_class.needs
 
 
-def reward_needing_targets(names: Iterable[str]) -> str | None:
-    """The first of the rewards `names` that reads ground truths (OCR targets), or None."""
-    return next((name for name in names if "ground_truths" in reward_needs(name)), None)
+def reward_needing(names: Iterable[str], need: Need) -> str | None:
+    """The first of the rewards `names` that reads `need` (e.g. ground truths, the OCR
+    targets), or None."""
+    return next((name for name in names if need in reward_needs(name)), None)

@@ -7,7 +7,8 @@ missing, a value of another type) is still refused with the file, the row and th
 
 from __future__ import annotations
 
-from typing import TypedDict
+import json
+from typing import Any, TypedDict
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.store.rundir import RunDir
@@ -21,6 +22,7 @@ class PromptTableRow(TypedDict):
     ground_truth: str | None
     negative_prompt: str | None
     system_prompt: str | None
+    geneval: str | None  # the GenEval record as JSON; None without one, or in older runs
 
 
 # The columns the stages read, and what each value may be (None: a null is allowed).
@@ -30,7 +32,10 @@ COLUMNS: dict[str, tuple[type, ...]] = {
     "ground_truth": (str, type(None)),
     "negative_prompt": (str, type(None)),
     "system_prompt": (str, type(None)),
+    "geneval": (str, type(None)),
 }
+# Columns a run prepared by an older version lacks: read as nulls.
+_OPTIONAL = ("geneval",)
 
 
 def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
@@ -44,6 +49,9 @@ def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
         raise FlowGrpoError(f"{path}: not a readable parquet file ({err}); {redo}") from None
+    for column in _OPTIONAL:
+        if column not in table.column_names:
+            table = table.append_column(column, pa.nulls(table.num_rows, pa.string()))
     missing = sorted(set(COLUMNS) - set(table.column_names))
     if missing:
         raise FlowGrpoError(f"{path} lacks column(s) {missing}: {redo}")
@@ -58,3 +66,13 @@ def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
                     f"{path}: row {number}, column `{column}` is {value!r}, not a {wanted}; {redo}"
                 )
     return rows
+
+
+def geneval_records(rows: list[PromptTableRow]) -> dict[int, dict[str, Any]]:
+    """prompt_index -> its GenEval record, for the rows that have one (the score and evaluate
+    stages hand them to the rewards; trajectories carry only the prompt_index)."""
+    return {
+        row["prompt_index"]: json.loads(row["geneval"])
+        for row in rows
+        if row["geneval"] is not None
+    }

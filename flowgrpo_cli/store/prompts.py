@@ -4,17 +4,22 @@ Every row keeps where it came from (`file:line`), so each problem can be reporte
 a file with problems is an error listing them all, unless the caller asks to skip invalid rows.
 The target (the text an OCR reward reads for) is the first quoted span of the prompt ("..." or
 “...”) unless the file gives a `ground_truth` column; a prompt may have none, and is then
-refused only when a reward that needs targets will score it (`needs_target`).
+refused only when a reward that needs targets will score it (`needs_target`). A jsonl row
+that is a GenEval metadata record (it has GenEval's `include` key) keeps the record, checked
+(store/geneval_records.py); a reward that reads records refuses rows without one
+(`needs_record`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from flowgrpo_cli import untrusted
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store import geneval_records
 
 # The first quoted span: straight double quotes, or curly ones opened with “ and closed with ”.
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
@@ -28,6 +33,7 @@ class PromptRow:
     ground_truth: str | None  # None: no target (fine unless a reward needs one)
     negative_prompt: str | None
     source: str  # "file:line", for messages and traceability
+    geneval: str | None = None  # the row's GenEval record as JSON (geneval_records.dumps)
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,15 @@ def _read_jsonl(path: Path) -> list[PromptRow | PromptProblem]:
         if not isinstance(obj, dict) or "prompt" not in obj:
             out.append(PromptProblem(source, "expected a JSON object with a `prompt` key"))
             continue
-        out.append(_row(obj["prompt"], obj.get("ground_truth"), obj.get("negative_prompt"), source))
+        row = _row(obj["prompt"], obj.get("ground_truth"), obj.get("negative_prompt"), source)
+        if isinstance(row, PromptRow) and geneval_records.is_geneval_record(obj):
+            try:
+                record = geneval_records.check_record(obj)
+            except geneval_records.RecordProblem as err:
+                out.append(PromptProblem(source, f"GenEval record: {err}"))
+                continue
+            row = dataclasses.replace(row, geneval=geneval_records.dumps(record))
+        out.append(row)
     return out
 
 
@@ -201,10 +215,12 @@ def _read_parquet(path: Path) -> list[PromptRow | PromptProblem]:
     ]
 
 
-def read_prompt_file(path: Path, needs_target: str | None = None) -> PromptFile:
+def read_prompt_file(
+    path: Path, needs_target: str | None = None, needs_record: str | None = None
+) -> PromptFile:
     """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all.
     `needs_target` names the reward that needs every prompt to have a target, if any: a row
-    without one is then a problem that says so."""
+    without one is then a problem that says so; `needs_record` likewise for GenEval records."""
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise FlowGrpoError(f"prompt file {path} {what}")
@@ -223,6 +239,8 @@ def read_prompt_file(path: Path, needs_target: str | None = None) -> PromptFile:
     items = reader(path)
     if needs_target is not None:
         items = [_require_target(item, needs_target) for item in items]
+    if needs_record is not None:
+        items = [_require_record(item, needs_record) for item in items]
     rows = [item for item in items if isinstance(item, PromptRow)]
     problems = [item for item in items if isinstance(item, PromptProblem)]
     return PromptFile(rows, problems)
@@ -238,12 +256,23 @@ def _require_target(item: PromptRow | PromptProblem, reward: str) -> PromptRow |
     )
 
 
+def _require_record(item: PromptRow | PromptProblem, reward: str) -> PromptRow | PromptProblem:
+    if not isinstance(item, PromptRow) or item.geneval is not None:
+        return item
+    return PromptProblem(
+        item.source,
+        f"no GenEval record for {_clip(item.prompt)!r}; the `{reward}` reward needs one "
+        "(a jsonl row in GenEval's metadata format: tag, include, exclude, prompt)",
+    )
+
+
 NO_TARGET = "no quoted target text"
 
 
 OTHER_REWARD_HINT = (
     "prompts without text to render need a reward that reads no target: "
-    "--set 'reward.weights={jpeg_compressibility = 1.0}', `remote`, or a plugin "
+    "--set 'reward.weights={jpeg_compressibility = 1.0}' ({geneval = 1.0} for GenEval "
+    "metadata), `remote`, or a plugin "
     "(module:function; see `flowgrpo reward --help`)"
 )
 
