@@ -24,7 +24,7 @@ from PIL import Image
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import ImageScore, Need, RewardBatch, RewardOutput
-from flowgrpo_cli.rewards.hub import ResolvedSource, resolve_file, resolve_folder
+from flowgrpo_cli.rewards.hub import load_pretrained, resolve_file, resolve_folder
 from flowgrpo_cli.store.config import RewardSection
 
 if TYPE_CHECKING:
@@ -44,22 +44,30 @@ Source = tuple[str, str]  # a config table's model (a folder or hub id) and its 
 
 class ClipModel:
     """A CLIPModel and its processor on one device, embedding images and texts in batches;
-    `options` is the config's [reward] table (device, dtype, batch_size)."""
+    `options` is the config's [reward] table (device, dtype, batch_size); `key` and `field`
+    name the config key of `source` in messages (`[reward.pickscore] model`)."""
 
-    def __init__(self, source: Source, processor: Source, options: RewardSection, key: str) -> None:
+    def __init__(
+        self,
+        source: Source,
+        processor: Source,
+        options: RewardSection,
+        key: str,
+        field: str = "model",
+    ) -> None:
         from transformers import AutoProcessor, CLIPModel
 
         self.device, self.dtype = reward_device_and_dtype(options)
         self.batch_size = options.batch_size
-        self.model_source = resolve_folder(*source, "config.json", f"[{key}] model")
+        self.model_source = resolve_folder(*source, "config.json", f"[{key}] {field}")
         self.processor_source = (
             resolve_folder(*processor, "preprocessor_config.json", f"[{key}] processor")
             if processor != source
             else self.model_source
         )
-        self.model = _from_pretrained(CLIPModel, self.model_source, dtype=self.dtype)
+        self.model = load_pretrained(CLIPModel, self.model_source, dtype=self.dtype)
         self.model.to(self.device).eval().requires_grad_(False)
-        self.processor = _from_pretrained(AutoProcessor, self.processor_source)
+        self.processor = load_pretrained(AutoProcessor, self.processor_source)
 
     @property
     def logit_scale(self) -> float:
@@ -128,16 +136,6 @@ def reward_device_and_dtype(options: RewardSection) -> tuple[torch.device, torch
 def _normalized(embeddings: torch.Tensor) -> torch.Tensor:
     embeddings = embeddings.float()
     return embeddings / embeddings.norm(dim=-1, keepdim=True)
-
-
-def _from_pretrained(cls: Any, source: ResolvedSource, **kwargs: Any) -> Any:
-    from flowgrpo_cli.loading import quiet_loading
-
-    quiet_loading()  # transformers' torchvision fallback warning, its progress bars
-    try:
-        return cls.from_pretrained(source.location, revision=source.commit or "main", **kwargs)
-    except OSError as err:  # a folder or repository without the files this class reads
-        raise FlowGrpoError(f"{source.record}: cannot load {cls.__name__}: {err}") from None
 
 
 class _ClipReward:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.hub_errors import hub_error_message
@@ -84,3 +85,15 @@ def _download(model: str, revision: str, filename: str, key: str) -> tuple[Path,
     # The cache keeps every file under snapshots/<commit>/<filename>.
     commit = path.parents[len(Path(filename).parts) - 1].name
     return path, commit
+
+
+def load_pretrained(cls: Any, source: ResolvedSource, **kwargs: Any) -> Any:
+    """`cls.from_pretrained` of a resolved source, at its commit; a folder or repository
+    without the files `cls` reads is a FlowGrpoError naming it."""
+    from flowgrpo_cli.loading import quiet_loading
+
+    quiet_loading()  # transformers' torchvision fallback warning, its progress bars
+    try:
+        return cls.from_pretrained(source.location, revision=source.commit or "main", **kwargs)
+    except OSError as err:
+        raise FlowGrpoError(f"{source.record}: cannot load {cls.__name__}: {err}") from None
