@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.rewards.geneval_rules import colour_requests
 from flowgrpo_cli.rewards.imports import add_plugin_dirs
 from flowgrpo_cli.rewards.registry import reward_needing
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
@@ -45,7 +46,8 @@ COLUMNS = (
 def _load(
     path: Path, skip_invalid: bool, needs_target: str | None, needs_record: str | None
 ) -> tuple[list[PromptRow], int]:
-    parsed = read_prompt_file(path, needs_target, needs_record)
+    # colour_requests parses a GenEval record, raising a FlowGrpoError that names a bad key.
+    parsed = read_prompt_file(path, needs_target, needs_record, check_record=colour_requests)
     if parsed.problems and not skip_invalid:
         raise FlowGrpoError(
             f"{len(parsed.problems)} invalid prompt row(s) in {path} "

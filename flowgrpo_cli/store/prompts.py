@@ -6,24 +6,26 @@ The target (the text an OCR reward reads for) is the first quoted span of the pr
 “...”) unless the file gives a `ground_truth` column; a prompt may have none, and is then
 refused only when a reward that needs targets will score it (`needs_target`). A jsonl row
 that is a GenEval metadata record (it has GenEval's `include` key) keeps the record, checked
-(store/geneval_records.py); a reward that reads records refuses rows without one
-(`needs_record`).
+by the caller's `check_record` (prepare passes the geneval reward's rules); a reward that
+reads records refuses rows without one (`needs_record`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from flowgrpo_cli import untrusted
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.store import geneval_records
 
 # The first quoted span: straight double quotes, or curly ones opened with “ and closed with ”.
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".csv", ".parquet")
+GENEVAL_KEYS = ("tag", "include", "exclude", "prompt")  # what a GenEval record keeps
 _MAX_LISTED = 10
 
 
@@ -33,7 +35,7 @@ class PromptRow:
     ground_truth: str | None  # None: no target (fine unless a reward needs one)
     negative_prompt: str | None
     source: str  # "file:line", for messages and traceability
-    geneval: str | None = None  # the row's GenEval record as JSON (geneval_records.dumps)
+    geneval: str | None = None  # the row's GenEval record, compact JSON with sorted keys
 
 
 @dataclass(frozen=True)
@@ -135,13 +137,10 @@ def _read_jsonl(path: Path) -> list[PromptRow | PromptProblem]:
             out.append(PromptProblem(source, "expected a JSON object with a `prompt` key"))
             continue
         row = _row(obj["prompt"], obj.get("ground_truth"), obj.get("negative_prompt"), source)
-        if isinstance(row, PromptRow) and geneval_records.is_geneval_record(obj):
-            try:
-                record = geneval_records.check_record(obj)
-            except geneval_records.RecordProblem as err:
-                out.append(PromptProblem(source, f"GenEval record: {err}"))
-                continue
-            row = dataclasses.replace(row, geneval=geneval_records.dumps(record))
+        if isinstance(row, PromptRow) and "include" in obj:  # GenEval's metadata format
+            record = {key: obj[key] for key in GENEVAL_KEYS if key in obj}
+            text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            row = dataclasses.replace(row, geneval=text)
         out.append(row)
     return out
 
@@ -216,11 +215,16 @@ def _read_parquet(path: Path) -> list[PromptRow | PromptProblem]:
 
 
 def read_prompt_file(
-    path: Path, needs_target: str | None = None, needs_record: str | None = None
+    path: Path,
+    needs_target: str | None = None,
+    needs_record: str | None = None,
+    check_record: Callable[[dict], object] | None = None,
 ) -> PromptFile:
     """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all.
     `needs_target` names the reward that needs every prompt to have a target, if any: a row
-    without one is then a problem that says so; `needs_record` likewise for GenEval records."""
+    without one is then a problem that says so; `needs_record` likewise for GenEval records.
+    `check_record` raises FlowGrpoError for a GenEval record that is not well formed: that
+    row is then a problem with its message."""
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise FlowGrpoError(f"prompt file {path} {what}")
@@ -239,6 +243,8 @@ def read_prompt_file(
     items = reader(path)
     if needs_target is not None:
         items = [_require_target(item, needs_target) for item in items]
+    if check_record is not None:
+        items = [_checked_record(item, check_record) for item in items]
     if needs_record is not None:
         items = [_require_record(item, needs_record) for item in items]
     rows = [item for item in items if isinstance(item, PromptRow)]
@@ -254,6 +260,18 @@ def _require_target(item: PromptRow | PromptProblem, reward: str) -> PromptRow |
         f"{NO_TARGET} in {_clip(item.prompt)!r}; the `{reward}` reward needs one "
         '(quote it in the prompt, "like this", or give a ground_truth column)',
     )
+
+
+def _checked_record(
+    item: PromptRow | PromptProblem, check: Callable[[dict], object]
+) -> PromptRow | PromptProblem:
+    if not isinstance(item, PromptRow) or item.geneval is None:
+        return item
+    try:
+        check(json.loads(item.geneval))
+    except FlowGrpoError as err:
+        return PromptProblem(item.source, str(err))
+    return item
 
 
 def _require_record(item: PromptRow | PromptProblem, reward: str) -> PromptRow | PromptProblem:
