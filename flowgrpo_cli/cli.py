@@ -695,12 +695,19 @@ OcrWorkersOpt = Annotated[
 def reward(
     images: Annotated[list[Path], typer.Argument(help="Image files to score.")],
     prompt: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option(
             help="The prompt (its quoted text is the OCR target); one for all images, or one per "
-            "image."
+            "image. Default: the --geneval records' prompts."
         ),
-    ],
+    ] = None,
+    geneval: Annotated[
+        Path | None,
+        typer.Option(
+            help="GenEval metadata (jsonl): the record of each image, or one for all, for the "
+            "`geneval` reward."
+        ),
+    ] = None,
     reward_: RewardOpt = None,
     config: RewardConfigOpt = None,
     set_: SetOpt = None,
@@ -709,10 +716,19 @@ def reward(
 ) -> None:
     """Score image files against a prompt: check a reward before training on it."""
     from flowgrpo_cli.rewards import score_image_files
+    from flowgrpo_cli.rewards.commands import read_geneval_records
 
     section = _reward_section(config, set_, reward_, ocr_workers, url=url)
+    records = read_geneval_records(geneval) if geneval else None
+    if not prompt and records is None:
+        raise FlowGrpoError("give the images' prompt: --prompt TEXT (or --geneval RECORDS.jsonl)")
+    if records is not None and len(records) == 1:
+        records = records * len(images)
+    if not prompt:
+        assert records is not None
+        prompt = [record["prompt"] for record in records]
     prompts = prompt * len(images) if len(prompt) == 1 else prompt
-    result = score_image_files(images, prompts, section)
+    result = score_image_files(images, prompts, section, records)
     render_reward_table(console, images, result)
 
 

@@ -393,3 +393,42 @@ def save_tiny_aesthetic_head(path: Path, embedding_dim: int, *, seed: int = 0) -
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({f"layers.{key}": value for key, value in head.state_dict().items()}, path)
     return path
+
+
+def build_tiny_mask2former(out_dir: Path, *, seed: int = 0, image_size: int = 64) -> Path:
+    """A tiny random Mask2Former for COCO instance segmentation (a 4-stage Swin backbone, the
+    80 COCO classes as GenEval names them) and its image processor, saved as the released
+    facebook/mask2former-swin-*-coco-instance checkpoints are: what the geneval reward loads."""
+    from flowgrpo_cli.loading import quiet_loading
+    from flowgrpo_cli.rewards.geneval_rules import COCO_CLASSES
+
+    quiet_loading()  # before the import: the processor's torchvision fallback warns there
+    from transformers import (
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        Mask2FormerImageProcessor,
+        SwinConfig,
+    )
+
+    backbone = SwinConfig(
+        image_size=image_size, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 2, 2], window_size=4,
+    )  # fmt: skip
+    backbone.out_features = ["stage1", "stage2", "stage3", "stage4"]  # Mask2Former reads all 4
+    config = Mask2FormerConfig(
+        backbone_config=backbone, num_queries=10, hidden_dim=32, mask_feature_size=32,
+        feature_size=32, encoder_layers=1, decoder_layers=2, num_attention_heads=2,
+        dim_feedforward=64, encoder_feedforward_dim=64,
+        id2label=dict(enumerate(COCO_CLASSES)),
+        label2id={name: index for index, name in enumerate(COCO_CLASSES)},
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Mask2FormerForUniversalSegmentation(config)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor = Mask2FormerImageProcessor(
+        size={"shortest_edge": image_size, "longest_edge": image_size}, size_divisor=32
+    )
+    processor.save_pretrained(out_dir)
+    return out_dir

@@ -4,15 +4,16 @@ line (`flowgrpo reward`: `score_image_files`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from PIL import Image, UnidentifiedImageError
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.rewards.base import RewardBatch
+from flowgrpo_cli.rewards.base import GENEVAL_KEY, RewardBatch
 from flowgrpo_cli.rewards.imports import add_plugin_dirs
 from flowgrpo_cli.rewards.on_error import (
     ErrorPolicyOutcome,
@@ -22,7 +23,7 @@ from flowgrpo_cli.rewards.on_error import (
     summarize_errors,
 )
 from flowgrpo_cli.rewards.rewardset import RewardSet, ScoreResult, build_rewards
-from flowgrpo_cli.store.prompts import extract_target
+from flowgrpo_cli.store.prompts import extract_target, format_problems, read_prompt_file
 
 if TYPE_CHECKING:
     from flowgrpo_cli.store.config import RewardSection
@@ -70,23 +71,53 @@ def score_batches(
 
 
 def score_image_files(
-    paths: Sequence[Path], prompts: Sequence[str], section: RewardSection
+    paths: Sequence[Path],
+    prompts: Sequence[str],
+    section: RewardSection,
+    records: Sequence[dict[str, Any]] | None = None,
 ) -> ScoreResult:
     """Score image files against their prompts (one each) with the rewards of a config's
-    [reward] table; the OCR target is the prompt's first quoted span.
+    [reward] table; the OCR target is the prompt's first quoted span, `records` the images'
+    GenEval records (one each), if given.
     `result.details["ocr"]["text"]` holds what OCR read."""
     if len(prompts) != len(paths):
         raise FlowGrpoError(
             f"{len(prompts)} prompt(s) for {len(paths)} image(s): give one prompt per image"
         )
+    if records is not None and len(records) != len(paths):
+        raise FlowGrpoError(
+            f"{len(records)} GenEval record(s) for {len(paths)} image(s): give one record per "
+            "image, or one for all"
+        )
+    metadata: list[dict[str, Any]] = [{"sample_id": str(path)} for path in paths]
+    if records is not None:
+        metadata = [
+            {**meta, GENEVAL_KEY: record} for meta, record in zip(metadata, records, strict=True)
+        ]
     batch = RewardBatch(
         images=[_load(Path(path)) for path in paths],
         prompts=list(prompts),
         ground_truths=[extract_target(prompt) for prompt in prompts],
-        metadata=[{"sample_id": str(path)} for path in paths],
+        metadata=metadata,
     )
     with build_rewards_from_config(section) as rewards:
         return rewards.score(batch)
+
+
+def read_geneval_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a GenEval metadata jsonl, in order; a row that is not one, or that the
+    rules refuse, is a FlowGrpoError naming its line."""
+    from flowgrpo_cli.rewards.geneval_rules import colour_requests
+
+    parsed = read_prompt_file(path, needs_record="geneval", check_record=colour_requests)
+    if parsed.problems:
+        raise FlowGrpoError(
+            f"{len(parsed.problems)} invalid GenEval record(s) in {path}:\n  "
+            f"{format_problems(parsed.problems)}"
+        )
+    if not parsed.rows:
+        raise FlowGrpoError(f"{path}: no GenEval records")
+    return [json.loads(row.geneval) for row in parsed.rows if row.geneval is not None]
 
 
 def _load(path: Path) -> Image.Image:

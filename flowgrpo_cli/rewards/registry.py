@@ -27,6 +27,7 @@ _BUILDERS: dict[str, str] = {
     "aesthetic": "flowgrpo_cli.rewards.clip:build_aesthetic",
     "vlm": "flowgrpo_cli.rewards.vlm:build_vlm",
     "hpsv2": "flowgrpo_cli.rewards.hps:build_hpsv2",
+    "geneval": "flowgrpo_cli.rewards.geneval:build_geneval",
 }
 REWARD_NAMES = tuple(_BUILDERS)
 

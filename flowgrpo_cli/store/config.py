@@ -604,10 +604,39 @@ class HpsV2Section(_CheckedSection):
 
 
 MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic", "hpsv2")
+# GenEval's detector is mmdet's Mask2Former Swin-S on COCO; this is the transformers checkpoint
+# nearest it. Its colour classifier is OpenAI's CLIP ViT-L/14.
+GENEVAL_DETECTOR = "facebook/mask2former-swin-small-coco-instance"
+GENEVAL_CLIP = "openai/clip-vit-large-patch14"
+
+
+@dataclass
+class GenEvalSection(_CheckedSection):
+    TABLE = "reward.geneval"
+
+    detector: str = _option(
+        GENEVAL_DETECTOR,
+        "Mask2Former COCO instance segmentation: a hub id or a local folder.",
+        path="hub",
+    )
+    detector_revision: str = _option("main", "Hub revision of `detector`.")
+    clip: str = _option(
+        GENEVAL_CLIP, "The CLIP that names each object's colour: hub id or folder.", path="hub"
+    )
+    clip_revision: str = _option("main", "Hub revision of `clip`.")
+    score: Literal["partial", "strict", "correct"] = _option(
+        "partial",
+        "Which GenEval score is the reward: partial (share of the record's checks met; "
+        "flow_grpo's training reward), strict (1 if every check is met exactly, else 0) or "
+        "correct (GenEval's benchmark verdict, 1 or 0).",
+    )
+
+
+MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")  # the CLIP rewards `flowgrpo plan` sizes
 
 
 def _uses_model_reward(section: Any) -> bool:
-    return any(name in section.weights for name in MODEL_REWARDS)
+    return any(name in section.weights for name in (*MODEL_REWARDS, "geneval"))
 
 
 def _reward_table(name: str, cls: type) -> Any:
@@ -649,8 +678,8 @@ class RewardSection(_CheckedSection):
     )
     device: str = _option(
         "auto",
-        "Device of the model rewards (pickscore, clipscore, aesthetic, hpsv2): auto (this rank's "
-        "GPU, else the CPU), cpu, cuda, cuda:N.",
+        "Device of the model rewards (pickscore, clipscore, aesthetic, hpsv2, geneval): auto "
+        "(this rank's GPU, else the CPU), cpu, cuda, cuda:N.",
         affects_results=False,
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = _option(
@@ -668,6 +697,7 @@ class RewardSection(_CheckedSection):
     aesthetic: AestheticSection = _reward_table("aesthetic", AestheticSection)
     vlm: VlmRewardSection = _reward_table("vlm", VlmRewardSection)
     hpsv2: HpsV2Section = _reward_table("hpsv2", HpsV2Section)
+    geneval: GenEvalSection = _reward_table("geneval", GenEvalSection)
 
 
 def _anchor_decay(v: list[float]) -> str | None:
