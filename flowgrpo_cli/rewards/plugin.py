@@ -6,10 +6,12 @@ The function is called with a batch and returns one finite number per image, in 
               metadata: list[dict]) -> Sequence[float]: ...
 
 `metadata[i]` holds sample i's metadata (the score stage gives sample_id, group_id,
-prompt_index, ...) plus `ground_truth` (the OCR target) when known. Two optional attributes
-on the function declare more:
+prompt_index, ...) plus `ground_truth` (the OCR target) when known, and `geneval` (the
+prompt's GenEval record) when it has one. Two optional attributes on the function declare
+more:
 
-    score.needs = {"images", "prompts", "ground_truths"}   # default {"images", "prompts"}
+    score.needs = {"images", "prompts", "ground_truths"}   # default {"images", "prompts"};
+                                                           # "geneval": every image's record
     score.parallel_safe = True    # may run in a thread beside other rewards; default False
 
 When the call raises, the function is called again one image at a time, so only the images
