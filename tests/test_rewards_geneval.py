@@ -170,6 +170,21 @@ def test_the_tiny_models_score_every_image_and_a_bad_record_fails_only_its_own(m
     assert result.columns["geneval"][1] is None
     assert "include[0].class 'unicorn' is not one of COCO's 80" in result.reward_error[1]
     assert info["detector"] == str(models / "detector") and info["score"] == "partial"
+    assert (info["detector_dtype"], info["clip_dtype"]) == ("float32", "float32")
+
+
+def test_the_detector_stays_float32_under_auto_and_follows_an_explicit_dtype(models):
+    """auto: float16 for CLIP on a GPU, float32 on the CPU, and the detector float32 always;
+    an explicit dtype sets both."""
+    with build_rewards({"geneval": 1.0}, options(models)) as rewards:
+        assert rewards._rewards[0].detector.dtype == torch.float32
+    settings = options(models)
+    settings = RewardSection(device="cpu", dtype="bfloat16", geneval=settings.geneval)
+    with build_rewards({"geneval": 1.0}, settings) as rewards:
+        assert rewards.info["geneval"]["detector_dtype"] == "bfloat16"
+        assert rewards._rewards[0].detector.dtype == torch.bfloat16
+        result = rewards.score(batch([BOWL, RED_CUP]))
+    assert all(value is not None for value in result.reward), result.reward_error
 
 
 def test_bad_model_sources_are_clear_errors(models, tmp_path):

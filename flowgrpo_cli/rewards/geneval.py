@@ -77,8 +77,13 @@ class GenEvalReward:
             table.detector, table.detector_revision, "preprocessor_config.json",
             f"[{KEY}] detector",
         )  # fmt: skip
+        # `reward.dtype = "auto"` keeps the detector in float32, as GenEval runs it: its
+        # scores meet thresholds (0.3, 0.9) that float16 rounding could move them across.
+        import torch
+
+        self.detector_dtype = torch.float32 if options.dtype == "auto" else self.clip.dtype
         self.detector = load_pretrained(
-            Mask2FormerForUniversalSegmentation, self.detector_source, dtype=self.clip.dtype
+            Mask2FormerForUniversalSegmentation, self.detector_source, dtype=self.detector_dtype
         )
         self.detector.to(self.clip.device).eval().requires_grad_(False)
         self.processor = load_pretrained(AutoImageProcessor, self.detector_source)
@@ -132,7 +137,7 @@ class GenEvalReward:
         inputs = self.processor(images=images, return_tensors="pt")
         with torch.inference_mode():
             out = self.detector(
-                pixel_values=inputs["pixel_values"].to(self.clip.device, self.clip.dtype),
+                pixel_values=inputs["pixel_values"].to(self.clip.device, self.detector_dtype),
                 pixel_mask=inputs["pixel_mask"].to(self.clip.device),
             )
         logits = SimpleNamespace(  # the post-processing's softmax and sigmoid in float32
@@ -205,8 +210,9 @@ class GenEvalReward:
         clip = self.clip.info()
         return {
             "detector": self.detector_source.record,
+            "detector_dtype": str(self.detector_dtype).removeprefix("torch."),
             "clip": clip["model"],
-            "dtype": clip["dtype"],
+            "clip_dtype": clip["dtype"],
             "score": self.score_name,
         }
 
