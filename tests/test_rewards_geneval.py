@@ -6,6 +6,7 @@ two-iteration `flowgrpo loop` on the tiny SD3 with GenEval prompts."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -190,6 +191,22 @@ def test_the_detector_stays_float32_under_auto_and_follows_an_explicit_dtype(mod
 def test_bad_model_sources_are_clear_errors(models, tmp_path):
     with pytest.raises(FlowGrpoError, match=r"\[reward.geneval\] detector = .*no preprocessor"):
         build_rewards({"geneval": 1.0}, options(models, detector=str(tmp_path)))
+    clip = tmp_path / "clip"  # a CLIP folder with an image processor, as on the Hub
+    shutil.copytree(models / "clip", clip)
+    shutil.copy(models / "detector" / "preprocessor_config.json", clip)
+    with pytest.raises(FlowGrpoError, match=r"detector = .*a clip model, not a Mask2Former"):
+        build_rewards({"geneval": 1.0}, options(models, detector=str(clip)))
+    ade = tmp_path / "ade"  # a Mask2Former of another label set
+    build_tiny_mask2former(ade)
+    config = json.loads((ade / "config.json").read_text())
+    config["id2label"] = {str(i): f"class {i}" for i in range(150)}
+    config["label2id"] = {f"class {i}": i for i in range(150)}
+    (ade / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FlowGrpoError, match="150 classes, not COCO's 80"):
+        build_rewards({"geneval": 1.0}, options(models, detector=str(ade)))
+    with pytest.raises(FlowGrpoError, match="detector = 'facebook/mask2former-swin-small-coco"):
+        # the default, not in this offline cache: named, not a traceback
+        build_rewards({"geneval": 1.0}, options(models, detector=GenEvalSection().detector))
     with pytest.raises(FlowGrpoError, match=r"\[reward.geneval\] clip = "):
         build_rewards({"geneval": 1.0}, options(models, clip=str(tmp_path)))
     with pytest.raises(FlowGrpoError, match=r"`reward\.geneval\.score` = 'best'"):

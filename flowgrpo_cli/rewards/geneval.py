@@ -70,7 +70,12 @@ class GenEvalReward:
         clip = (table.clip, table.clip_revision)
         self.clip = ClipModel(clip, clip, options, KEY, field="clip")
         # imported once loading is quiet (ClipModel): the processor's import warns otherwise
-        from transformers import AutoImageProcessor, Mask2FormerForUniversalSegmentation
+        import torch
+        from transformers import (
+            AutoConfig,
+            AutoImageProcessor,
+            Mask2FormerForUniversalSegmentation,
+        )
 
         self.batch_size = options.batch_size
         self.detector_source = resolve_folder(
@@ -79,20 +84,13 @@ class GenEvalReward:
         )  # fmt: skip
         # `reward.dtype = "auto"` keeps the detector in float32, as GenEval runs it: its
         # scores meet thresholds (0.3, 0.9) that float16 rounding could move them across.
-        import torch
-
         self.detector_dtype = torch.float32 if options.dtype == "auto" else self.clip.dtype
+        _check_detector(load_pretrained(AutoConfig, self.detector_source), table.detector)
         self.detector = load_pretrained(
             Mask2FormerForUniversalSegmentation, self.detector_source, dtype=self.detector_dtype
         )
         self.detector.to(self.clip.device).eval().requires_grad_(False)
         self.processor = load_pretrained(AutoImageProcessor, self.detector_source)
-        labels = self.detector.config.id2label
-        if len(labels) != len(COCO_CLASSES):
-            raise FlowGrpoError(
-                f"[{KEY}] detector = {table.detector!r}: {len(labels)} classes, not COCO's "
-                f"{len(COCO_CLASSES)}: GenEval needs a COCO instance-segmentation model"
-            )
         self._classifiers: dict[str, torch.Tensor] = {}  # class name -> [colours, D]
 
     def score(self, batch: RewardBatch) -> RewardOutput:
@@ -116,7 +114,9 @@ class GenEvalReward:
                 details[key][index] = getattr(result, key)
         return RewardOutput([score for score in scores if score is not None], details)
 
-    def detect(self, images: Sequence[Image.Image], records: Sequence[dict[str, Any]]):
+    def detect(
+        self, images: Sequence[Image.Image], records: Sequence[dict[str, Any]]
+    ) -> list[Found]:
         """Per image: COCO class name -> its detections, best first. Those the rules will
         colour-check for the image's record (`colour_requests`, kept by GenEval's filter)
         carry their mask and CLIP's colour."""
@@ -219,6 +219,18 @@ class GenEvalReward:
     def close(self) -> None:
         del self.detector
         self.clip.close()
+
+
+def _check_detector(config: Any, given: str) -> None:
+    """A Mask2Former with COCO's 80 classes, in their order (label i is COCO_CLASSES[i])."""
+    where = f"[{KEY}] detector = {given!r}"
+    if config.model_type != "mask2former":
+        raise FlowGrpoError(f"{where}: a {config.model_type} model, not a Mask2Former")
+    if len(config.id2label) != len(COCO_CLASSES):
+        raise FlowGrpoError(
+            f"{where}: {len(config.id2label)} classes, not COCO's {len(COCO_CLASSES)}: GenEval "
+            "needs a COCO instance-segmentation model"
+        )
 
 
 def _box(mask: Any) -> tuple[float, float, float, float]:
