@@ -626,9 +626,10 @@ class GenEvalSection(_CheckedSection):
     clip_revision: str = _option("main", "Hub revision of `clip`.")
     score: Literal["partial", "strict", "correct"] = _option(
         "partial",
-        "Which GenEval score is the reward: partial (share of the record's checks met; "
-        "flow_grpo's training reward), strict (1 if every check is met exactly, else 0) or "
-        "correct (GenEval's benchmark verdict, 1 or 0).",
+        "Which GenEval score is the reward: partial (the mean of per-clause terms, below 0 "
+        "when too many objects are found; flow_grpo's training reward), strict (1 if every "
+        "clause holds with exact counts, else 0) or correct (GenEval's benchmark verdict, 1 "
+        "or 0).",
     )
 
 
@@ -684,7 +685,8 @@ class RewardSection(_CheckedSection):
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = _option(
         "auto",
-        "Weights of the model rewards; auto: float16 on a GPU, float32 on the CPU.",
+        "Weights of the model rewards; auto: float16 on a GPU, float32 on the CPU (geneval's "
+        "detector: float32 always).",
         used_when=_uses_model_reward,
     )
     batch_size: int = _option(
