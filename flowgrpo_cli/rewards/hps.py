@@ -37,11 +37,10 @@ from flowgrpo_cli.rewards.base import Need, RewardBatch
 from flowgrpo_cli.rewards.clip import (
     ClipModel,
     _ClipReward,
-    _from_pretrained,
     paired_cosine,
     reward_device_and_dtype,
 )
-from flowgrpo_cli.rewards.hub import resolve_file, resolve_folder
+from flowgrpo_cli.rewards.hub import load_pretrained, resolve_file, resolve_folder
 from flowgrpo_cli.store.config import HPSV2_FILES, RewardSection
 
 if TYPE_CHECKING:
@@ -200,13 +199,13 @@ class HpsModel(ClipModel):
             HPSV2_FILES[table.version],
             f"{KEY} checkpoint",
         )
-        config = _from_pretrained(CLIPConfig, base)
+        config = load_pretrained(CLIPConfig, base)
         self.image_size = config.vision_config.image_size
         self.model = load_hpsv2(path, config)
         # nn.Module.to, in place: PreTrainedModel's wrapper of it hides its signature from mypy.
         torch.nn.Module.to(self.model, self.device, self.dtype)
         self.model.eval().requires_grad_(False)
-        self.processor = _from_pretrained(AutoTokenizer, base)  # called as ClipModel calls it
+        self.processor = load_pretrained(AutoTokenizer, base)  # called as ClipModel calls it
 
     def text_embeddings(self, texts: list[str]) -> torch.Tensor:
         # open_clip's tokenizer unescapes HTML entities twice before the BPE ("&amp;amp;" is

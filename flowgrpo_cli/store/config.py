@@ -603,6 +603,7 @@ class HpsV2Section(_CheckedSection):
     base_revision: str = _option("main", "Hub revision of `base`.")
 
 
+# The CLIP-family rewards `flowgrpo plan` sizes.
 MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic", "hpsv2")
 # GenEval's detector is mmdet's Mask2Former Swin-S on COCO; this is the transformers checkpoint
 # nearest it. Its colour classifier is OpenAI's CLIP ViT-L/14.
@@ -631,9 +632,6 @@ class GenEvalSection(_CheckedSection):
         "clause holds with exact counts, else 0) or correct (GenEval's benchmark verdict, 1 "
         "or 0).",
     )
-
-
-MODEL_REWARDS = ("pickscore", "clipscore", "aesthetic")  # the CLIP rewards `flowgrpo plan` sizes
 
 
 def _uses_model_reward(section: Any) -> bool:
