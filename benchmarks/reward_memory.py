@@ -29,6 +29,22 @@ CLIP_H14 = {
 }  # fmt: skip
 
 
+# facebook/mask2former-swin-small-coco-instance, GenEval's detector (its Swin-S backbone and
+# the Mask2Former head at transformers' defaults: 100 queries, 256 wide, 6 + 10 layers)
+SWIN_S = {"embed_dim": 96, "depths": [2, 2, 18, 2], "num_heads": [3, 6, 12, 24], "window_size": 7,
+          "out_features": ["stage1", "stage2", "stage3", "stage4"]}  # fmt: skip
+
+
+def mask2former_parameters(backbone: dict, labels: int = 80) -> int:
+    import torch
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, SwinConfig
+
+    config = Mask2FormerConfig(backbone_config=SwinConfig(**backbone), num_labels=labels)
+    with torch.device("meta"):
+        model = Mask2FormerForUniversalSegmentation(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def clip_parameters(shapes: dict) -> int:
     import torch
     from transformers import CLIPConfig, CLIPModel
@@ -52,6 +68,9 @@ def main() -> None:
         "clipscore (CLIP ViT-L/14)": clip_parameters(CLIP_L14),
         "aesthetic (CLIP ViT-L/14 + MLP head)": clip_parameters(CLIP_L14) + head_parameters(768),
         "hpsv2 (HPS v2 / v2.1, open_clip ViT-H/14)": clip_parameters(CLIP_H14),
+        "geneval (Mask2Former Swin-S COCO + CLIP ViT-L/14 for colours)": (
+            mask2former_parameters(SWIN_S) + clip_parameters(CLIP_L14)
+        ),
     }
     print("| reward | parameters | weights, float16 | weights, float32 |")
     print("|---|---|---|---|")
