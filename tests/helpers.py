@@ -1,6 +1,13 @@
-"""Running stages in-process, as the CLI does, for the stage and loop tests."""
+"""Running stages in-process, as the CLI does, for the stage and loop tests; and
+`flowgrpo serve-reward` in a subprocess for the reward-server tests."""
 
 from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -106,3 +113,21 @@ def flip_one_byte(path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+@contextmanager
+def serving_reward(*arguments: str, announces: str = "serving") -> Iterator[str]:
+    """`flowgrpo serve-reward --port 0 ARGUMENTS` in a subprocess; yields its URL once its
+    first line (which must contain `announces`) says it serves, and stops it with SIGTERM
+    afterwards, from which it must exit cleanly."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowgrpo_cli", "serve-reward", "--port", "0", *arguments],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        line = process.stdout.readline() if process.stdout else ""
+        assert announces in line, line + (process.stderr.read() if process.stderr else "")
+        yield line.split(" at ")[-1].strip()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0

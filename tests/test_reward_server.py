@@ -14,6 +14,7 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+from helpers import serving_reward
 from PIL import Image
 
 from flowgrpo_cli.errors import FlowGrpoError
@@ -192,22 +193,12 @@ def test_a_model_reward_is_served_with_the_settings_of_a_config(tmp_path):
         f'[reward]\ndevice = "cpu"\nweights = {{ clipscore = 1.0 }}\n'
         f'[reward.clipscore]\nmodel = "{clip}"\n'
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_cli", "serve-reward", "--port", "0", "-c", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        line = process.stdout.readline()
-        assert "serving clipscore" in line, line + process.stderr.read()
-        url = line.split(" at ")[-1].strip()
+    with serving_reward("-c", str(config), announces="serving clipscore") as url:
         settings = RewardSection(device="cpu", clipscore=ClipScoreSection(model=str(clip)))
         with build_rewards({"clipscore": 1.0}, settings) as local:
             expected = local.score(batch()).reward
         with remote(url) as rewards:
             assert rewards.score(batch()).reward == pytest.approx(expected, abs=1e-6)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
 
 
 class _CountingRewards:

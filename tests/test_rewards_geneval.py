@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from helpers import serving_reward
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -252,14 +251,7 @@ def test_serve_reward_scores_geneval_as_in_process(models, tmp_path):
         f'[reward]\ndevice = "cpu"\nweights = {{ geneval = 1.0 }}\n'
         f'[reward.geneval]\ndetector = "{models}/detector"\nclip = "{models}/clip"\n'
     )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_cli", "serve-reward", "--port", "0", "-c", str(config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        line = process.stdout.readline()
-        assert "serving geneval" in line, line + process.stderr.read()
-        url = line.split(" at ")[-1].strip()
+    with serving_reward("-c", str(config), announces="serving geneval") as url:
         with build_rewards({"geneval": 1.0}, options(models)) as local:
             expected = local.score(batch([BOWL, RED_CUP]))
         remote = RewardSection(remote=RemoteRewardSection(url=url))
@@ -269,9 +261,6 @@ def test_serve_reward_scores_geneval_as_in_process(models, tmp_path):
             no_record = RewardBatch(images(1), ["p"], metadata=[{"sample_id": "x", "group_id": 0}])
             with pytest.raises(FlowGrpoError, match="`geneval` is missing"):
                 rewards.score(no_record)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_two_iterations_of_loop_on_geneval_prompts(models, tmp_path, tiny_model_dir):

@@ -7,9 +7,6 @@ import io
 import json
 import math
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import serving_reward
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -483,21 +481,11 @@ def test_serve_reward_serves_the_judge(server):
     pytest.importorskip("uvicorn")
     url, behaviour = server
     behaviour.answer = by_prompt({"cat": completion("3"), "dog": completion("no idea")})
-    process = subprocess.Popen(
-        [sys.executable, "-m", "flowgrpo_cli", "serve-reward", "--port", "0", "--reward", "vlm",
-         "--set", f"reward.vlm.url={url}", "--set", "reward.vlm.model=judge"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        line = process.stdout.readline()
-        assert "serving vlm" in line, line + process.stderr.read()
-        served = line.split(" at ")[-1].strip()
+    serve = ("--reward", "vlm", "--set", f"reward.vlm.url={url}", "--set", "reward.vlm.model=judge")
+    with serving_reward(*serve, announces="serving vlm") as served:
         settings = RewardSection(remote=RemoteRewardSection(url=served))
         with build_rewards({"remote": 1.0}, settings) as rewards:
             result = rewards.score(batch(["cat", "dog"]))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
     assert result.reward == [pytest.approx(0.3), None]
     assert result.reward_error[1] == "remote: server: vlm: no number in the reply 'no idea'"
     assert sorted(text_of(request)[-3:] for request in behaviour.requests) == ["cat", "dog"]
