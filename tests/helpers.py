@@ -1,13 +1,16 @@
-"""Running stages in-process, as the CLI does, for the stage and loop tests; and
-`flowgrpo serve-reward` in a subprocess for the reward-server tests."""
+"""Running stages in-process, as the CLI does, for the stage and loop tests; servers for the
+reward tests: `flowgrpo serve-reward` in a subprocess, a canned HTTP server in a thread."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import torch
 
@@ -131,3 +134,20 @@ def serving_reward(*arguments: str, announces: str = "serving") -> Iterator[str]
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
+
+
+@contextmanager
+def http_server(handler: type[BaseHTTPRequestHandler], state: Any) -> Iterator[str]:
+    """`handler` served on a free local port from a thread, `state` at `self.server.state`;
+    yields the server's root URL, and shuts it down afterwards."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    httpd.state = state  # type: ignore[attr-defined]
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_port}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)

@@ -4,7 +4,6 @@ import base64
 import io
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from helpers import http_server
 from PIL import Image, ImageStat
 
 from flowgrpo_cli.errors import FlowGrpoError
@@ -40,7 +40,7 @@ class Handler(BaseHTTPRequestHandler):
     behaviour: Behaviour
 
     def do_POST(self) -> None:
-        behaviour = self.server.behaviour  # type: ignore[attr-defined]
+        behaviour = self.server.state  # type: ignore[attr-defined]
         behaviour.arrivals.append(time.monotonic())
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         behaviour.requests.append(request)
@@ -73,17 +73,9 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, Behaviour]]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    httpd.behaviour = Behaviour()  # type: ignore[attr-defined]
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_port}/score", httpd.behaviour  # type: ignore
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
+    behaviour = Behaviour()
+    with http_server(Handler, behaviour) as url:
+        yield f"{url}/score", behaviour
 
 
 def gray(level: int) -> Image.Image:

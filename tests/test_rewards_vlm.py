@@ -11,12 +11,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import serving_reward
+from helpers import http_server, serving_reward
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -69,7 +69,7 @@ class Judge:
 
 class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
-        judge: Judge = self.server.judge  # type: ignore[attr-defined]
+        judge: Judge = self.server.state  # type: ignore[attr-defined]
         request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with judge.lock:
             judge.requests.append(request)
@@ -104,17 +104,9 @@ class Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, Judge]]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    httpd.judge = Judge()  # type: ignore[attr-defined]
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05})
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_port}", httpd.judge  # type: ignore[attr-defined]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=5)
+    judge = Judge()
+    with http_server(Handler, judge) as url:
+        yield url, judge
 
 
 def image(seed: int) -> Image.Image:
