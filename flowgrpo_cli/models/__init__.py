@@ -36,6 +36,9 @@ FAMILIES: dict[str, dict[str, str]] = {
     "sd3": {"StableDiffusion3Pipeline": "flowgrpo_cli.models.sd3:SD3Adapter"},
     "flux": {"FluxPipeline": "flowgrpo_cli.models.flux:FluxAdapter"},
     "qwenimage": {"QwenImagePipeline": "flowgrpo_cli.models.qwenimage:QwenImageAdapter"},
+    "qwenimage_edit": {
+        "QwenImageEditPipeline": "flowgrpo_cli.models.qwenimage_edit:QwenImageEditAdapter"
+    },
 }
 
 
@@ -82,7 +85,8 @@ def load_adapter(
 
     quiet_loading()
     try:
-        pipeline = DiffusionPipeline.from_pretrained(pretrained, dtype=dtype)
+        components = _own_components(family, pretrained)
+        pipeline = DiffusionPipeline.from_pretrained(pretrained, dtype=dtype, **components)
     except (OSError, ValueError) as err:
         hint = None if folder.exists() else hub_error_message(err, source)
         if hint is not None:
@@ -93,6 +97,21 @@ def load_adapter(
     module_name, class_name = FAMILIES[family][pipeline_class].split(":")
     adapter_class = getattr(importlib.import_module(module_name), class_name)
     return adapter_class(pipeline)
+
+
+def _own_components(family: str, pretrained: str) -> dict[str, Any]:
+    """Components loaded here rather than by from_pretrained: the edit pipeline's processor,
+    image half only (flowgrpo_cli.models.qwenimage_edit says why)."""
+    if family != "qwenimage_edit":
+        return {}
+    from diffusers import DiffusionPipeline
+
+    from flowgrpo_cli.models.qwenimage_edit import load_processor
+
+    folder = Path(pretrained)
+    if not folder.is_dir():  # a hub id: the snapshot from_pretrained then reads from cache
+        folder = Path(DiffusionPipeline.download(pretrained))
+    return {"processor": load_processor(folder / "processor")}
 
 
 def _read_local_index(folder: Path) -> dict[str, Any]:

@@ -97,6 +97,15 @@ class Conditioning:
             if tensors[0].ndim >= 2:
                 length = max(t.shape[1] for t in tensors)
                 tensors = [_pad_dim1(t, length) for t in tensors]
+            shapes = sorted({tuple(t.shape[1:]) for t in tensors})
+            if len(shapes) > 1:
+                # An edit family's `image_latents`: source images resized to different sizes
+                # (another aspect ratio) give token grids one forward cannot hold together.
+                raise FlowGrpoError(
+                    f"cannot batch conditionings whose {name!r} have the shapes {shapes}: "
+                    "source images of different aspect ratios go into separate batches "
+                    "(sampler.batch_size within a group), or use one aspect ratio for all"
+                )
             out[name] = torch.cat(tensors, dim=0)
         return Conditioning(out)
 
@@ -165,8 +174,12 @@ class ModelAdapter(PipelinePlacement, ABC):
     from_pretrained loaded it.
     """
 
-    #: The family name ("sd3", "flux" or "qwenimage"), a key of models.FAMILIES.
+    #: The family name ("sd3", "flux", "qwenimage" or "qwenimage_edit"), a key of
+    #: models.FAMILIES.
     family: ClassVar[str]
+    #: Whether the family edits a source image (one per prompt, an input of `encode_prompts`)
+    #: rather than generating from text alone.
+    takes_source_image: ClassVar[bool] = False
     #: max_shift of the resolution-dependent time shift when the scheduler config has none:
     #: the pipeline's own default (StableDiffusion3Pipeline's is 1.16).
     default_max_shift: ClassVar[float] = 1.15
@@ -201,6 +214,7 @@ class ModelAdapter(PipelinePlacement, ABC):
         guidance_scale: float,
         max_sequence_length: int | None = None,
         system_prompt: str | None = None,
+        source_images: Sequence[Image.Image] | None = None,
     ) -> Conditioning:
         """Encode with the pipeline's own encode_prompt.
 
@@ -208,13 +222,16 @@ class ModelAdapter(PipelinePlacement, ABC):
         guidance_scale ("" when none are given); otherwise they are ignored, as the pipelines
         ignore them. max_sequence_length None keeps the pipeline's default. A system prompt
         is refused by the families whose text encoders take none (see `_system_prompt`).
+        source_images: one per prompt for an edit family (`takes_source_image`), which keeps
+        what it encodes of them in the conditioning; refused by the others.
         """
+        check_source_images(self.family, self.takes_source_image, len(prompts), source_images)
         negatives = None
         if self.runs_cfg(guidance_scale):
             negatives = negatives_for(prompts, negative_prompts)
         with self._system_prompt(system_prompt):
             tensors = self._encode_prompts(
-                prompts, negatives, sequence_length_kwargs(max_sequence_length)
+                prompts, negatives, sequence_length_kwargs(max_sequence_length), source_images
             )
         return Conditioning(tensors)
 
@@ -225,10 +242,15 @@ class ModelAdapter(PipelinePlacement, ABC):
 
     @abstractmethod
     def _encode_prompts(
-        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+        self,
+        prompts: list[str],
+        negatives: list[str] | None,
+        length: SequenceLength,
+        sources: Sequence[Image.Image] | None,
     ) -> dict[str, torch.Tensor]:
         """The pipeline's encode_prompt of `prompts`, and of `negatives` unless None, keyed by
-        the pipeline's names; `length` is its max_sequence_length keyword (or none)."""
+        the pipeline's names; `length` is its max_sequence_length keyword (or none). `sources`:
+        the source images of an edit family (one per prompt), None for the others."""
 
     def initial_latents(
         self, generators: list[torch.Generator], height: int, width: int
@@ -361,16 +383,25 @@ class PackedLatentAdapter(ModelAdapter):
     ) -> torch.Tensor:
         _, _, h, w = latents.shape
         tokens = pack_latents(latents.to(self.transformer_dtype))  # [B, (h/2)(w/2), 4C]
+        grids = [(h // 2, w // 2)]
+        hidden = tokens
+        if "image_latents" in cond:
+            # An edit family: the encoded source image [B, C, h', w'] follows the generated
+            # tokens in the sequence, and the transformer's output is cut back to those.
+            source = cond["image_latents"].to(tokens.device, tokens.dtype)
+            grids.append((source.shape[2] // 2, source.shape[3] // 2))
+            hidden = torch.cat([tokens, pack_latents(source)], dim=1)
         inputs = {
-            "hidden_states": tokens,
+            "hidden_states": hidden,
             # The pipeline casts t = sigma * 1000 to the latents' dtype, then divides by 1000.
             "timestep": t.to(tokens.dtype) / 1000,
-            **self._transformer_inputs(tokens, (h // 2, w // 2), scale),
+            **self._transformer_inputs(tokens, grids, scale),
         }
 
         def forward(prefix: str) -> torch.Tensor:
             text = self._text_inputs(cond, prefix, tokens)
-            return self.transformer(**inputs, **text, return_dict=False)[0].float()
+            out = self.transformer(**inputs, **text, return_dict=False)[0]
+            return out[:, : tokens.shape[1]].float()
 
         v = forward("")  # [B, (h/2)(w/2), 4C]
         if cfg:
@@ -381,11 +412,12 @@ class PackedLatentAdapter(ModelAdapter):
 
     @abstractmethod
     def _transformer_inputs(
-        self, tokens: torch.Tensor, grid: tuple[int, int], scale: float
+        self, tokens: torch.Tensor, grids: list[tuple[int, int]], scale: float
     ) -> dict[str, Any]:
         """The transformer's keyword arguments besides the tokens (hidden_states), the timestep
-        and the text's: what the family's transformer needs for a grid of rows x cols tokens
-        and this guidance scale."""
+        and the text's: what the family's transformer needs for its token grids of rows x cols
+        (the generated image's, then an edit family's source image's) and this guidance
+        scale."""
 
     @abstractmethod
     def _text_inputs(self, cond: Conditioning, prefix: str, tokens: torch.Tensor) -> dict[str, Any]:
@@ -517,6 +549,26 @@ def negatives_for(prompts: list[str], negative_prompts: list[str] | None) -> lis
             "per prompt, or none."
         )
     return list(negative_prompts)
+
+
+def check_source_images(
+    family: str, takes_source_image: bool, prompts: int, source_images: Sequence[Any] | None
+) -> None:
+    """One source image per prompt for an edit family, none for the others."""
+    if source_images is None:
+        if takes_source_image:
+            raise FlowGrpoError(
+                f"The {family} model edits a source image, and the prompts came without one: "
+                "prepare prompts with an `image` column (docs/stages.md)."
+            )
+        return
+    if not takes_source_image:
+        raise FlowGrpoError(
+            f"The prompts come with source images (an editing data set), but the {family} "
+            "model generates from text alone: use an editing model (qwenimage_edit)."
+        )
+    if len(source_images) != prompts:
+        raise FlowGrpoError(f"Got {len(source_images)} source images for {prompts} prompts.")
 
 
 def refuse_system_prompt(family: str, system_prompt: str | None) -> None:

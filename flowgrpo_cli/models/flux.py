@@ -16,8 +16,9 @@ scale, and Flow-GRPO on FLUX.1-dev trains with embedded guidance alone, so it is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -30,6 +31,9 @@ from flowgrpo_cli.models.base import (
     PackedLatentAdapter,
     SequenceLength,
 )
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,11 @@ class FluxAdapter(PackedLatentAdapter):
         return not self.guidance_embeds and guidance_scale > 1.0
 
     def _encode_prompts(
-        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+        self,
+        prompts: list[str],
+        negatives: list[str] | None,
+        length: SequenceLength,
+        sources: Sequence[Image.Image] | None,  # None: encode_prompts refuses any here
     ) -> dict[str, torch.Tensor]:
         # The text ids the pipeline returns are all zeros: velocity makes them from the length.
         embeds, pooled, _ = self.pipeline.encode_prompt(
@@ -71,8 +79,9 @@ class FluxAdapter(PackedLatentAdapter):
         return tensors
 
     def _transformer_inputs(
-        self, tokens: torch.Tensor, grid: tuple[int, int], scale: float
+        self, tokens: torch.Tensor, grids: list[tuple[int, int]], scale: float
     ) -> dict[str, Any]:
+        (grid,) = grids  # FLUX.1 generates from text alone: no source image grid
         guidance = None
         if self.guidance_embeds:
             batch = tokens.shape[0]

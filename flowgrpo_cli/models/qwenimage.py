@@ -14,10 +14,10 @@ of its conditional velocity.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -30,6 +30,9 @@ from flowgrpo_cli.models.base import (
     PackedLatentAdapter,
     SequenceLength,
 )
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,11 @@ class QwenImageAdapter(PackedLatentAdapter):
         return [*JOINT_ATTENTION_LORA_TARGETS, *mlp]
 
     def _encode_prompts(
-        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+        self,
+        prompts: list[str],
+        negatives: list[str] | None,
+        length: SequenceLength,
+        sources: Sequence[Image.Image] | None,  # None: encode_prompts refuses any here
     ) -> dict[str, torch.Tensor]:
         tensors = self._encode("prompt", prompts, length)
         if negatives is not None:
@@ -53,9 +60,13 @@ class QwenImageAdapter(PackedLatentAdapter):
         return tensors
 
     def _encode(
-        self, name: str, prompts: list[str], length: SequenceLength
+        self, name: str, prompts: list[str], length: SequenceLength, **image: Any
     ) -> dict[str, torch.Tensor]:
-        embeds, mask = self.pipeline.encode_prompt(prompt=prompts, device=self.device, **length)
+        """encode_prompt of `prompts` under `name`; `image`: the edit pipeline's keyword for
+        the source images its text encoder sees with the prompts."""
+        embeds, mask = self.pipeline.encode_prompt(
+            prompt=prompts, device=self.device, **length, **image
+        )
         # embeds [B, L, D], L the longest prompt's token count. The pipeline returns no mask
         # when no prompt is padded; keep one anyway so conditionings of separate batches can
         # be padded and stacked (Conditioning.cat). velocity drops it again where it is all ones.
@@ -68,21 +79,21 @@ class QwenImageAdapter(PackedLatentAdapter):
         """Swap the pipeline's chat template for one with `system_prompt`, during encoding.
 
         system_prompt None keeps the pipeline's own template (its image-description system
-        prompt); a string replaces that system prompt in the same chat template. The pipeline
-        drops the template's leading tokens (system turn and user header) from the encoder
-        output, by a fixed count that fits its own template; for a new system prompt that
-        count is the token length of the new template's leading part.
+        prompt); a string replaces that system prompt in the same chat template (the rest of
+        the template, the edit pipeline's image placeholder in the user turn included, stays).
+        The pipeline drops the template's leading tokens (system turn and user header) from
+        the encoder output, by a fixed count that fits its own template; for a new system
+        prompt that count is the token length of the new template's leading part.
         """
         if system_prompt is None:
             yield
             return
         pipeline = self.pipeline
         escaped = system_prompt.replace("{", "{{").replace("}", "}}")
-        template = (
-            f"<|im_start|>system\n{escaped}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
-        prefix = template.split("{}")[0].format()
+        user = "<|im_start|>user\n"
+        rest = pipeline.prompt_template_encode.split("<|im_end|>", 1)[1]
+        template = f"<|im_start|>system\n{escaped}<|im_end|>{rest}"
+        prefix = template[: template.index(user) + len(user)].replace("{{", "{").replace("}}", "}")
         saved = (pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx)
         pipeline.prompt_template_encode = template
         pipeline.prompt_template_encode_start_idx = len(pipeline.tokenizer(prefix).input_ids)
@@ -92,10 +103,10 @@ class QwenImageAdapter(PackedLatentAdapter):
             pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx = saved
 
     def _transformer_inputs(
-        self, tokens: torch.Tensor, grid: tuple[int, int], scale: float
+        self, tokens: torch.Tensor, grids: list[tuple[int, int]], scale: float
     ) -> dict[str, Any]:
-        # One frame of rows x cols tokens per sample.
-        return {"img_shapes": [[(1, *grid)]] * tokens.shape[0]}
+        # One frame of rows x cols tokens per grid, per sample.
+        return {"img_shapes": [[(1, *grid) for grid in grids]] * tokens.shape[0]}
 
     def _text_inputs(self, cond: Conditioning, prefix: str, tokens: torch.Tensor) -> dict[str, Any]:
         mask = cond[f"{prefix}prompt_embeds_mask"]

@@ -9,8 +9,9 @@ resolution-dependent shifting.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -28,6 +29,9 @@ from flowgrpo_cli.models.base import (
     check_image_size,
 )
 from flowgrpo_cli.models.guidance import apply_cfg
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,11 @@ class SD3Adapter(ModelAdapter):
         return (config.in_channels, height // factor, width // factor)
 
     def _encode_prompts(
-        self, prompts: list[str], negatives: list[str] | None, length: SequenceLength
+        self,
+        prompts: list[str],
+        negatives: list[str] | None,
+        length: SequenceLength,
+        sources: Sequence[Image.Image] | None,  # None: encode_prompts refuses any here
     ) -> dict[str, torch.Tensor]:
         cfg = negatives is not None
         embeds, negative_embeds, pooled, negative_pooled = self.pipeline.encode_prompt(

@@ -12,9 +12,10 @@ dtype and code path is the real one.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -242,11 +243,13 @@ def _build_flux(*, guidance_embeds: bool):
     )
 
 
-def _build_qwenimage():
+def _qwen_components() -> dict[str, Any]:
+    """What QwenImagePipeline and QwenImageEditPipeline share: the Qwen2.5-VL text encoder
+    (with its vision tower, which the edit pipeline feeds the source image), its tokenizer,
+    the transformer, the VAE and the scheduler."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -308,13 +311,58 @@ def _build_qwenimage():
         num_res_blocks=1,
         temperal_downsample=[False, True, True],
     )
-    return QwenImagePipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(**_QWENIMAGE_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
+    return {
+        "transformer": transformer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(**_QWENIMAGE_SCHEDULER),
+        "vae": vae,
+        "text_encoder": text_encoder,
+        "tokenizer": tokenizer,
+    }
+
+
+def _build_qwenimage():
+    from diffusers import QwenImagePipeline
+
+    return QwenImagePipeline(**_qwen_components())
+
+
+# The tiny vision tower sees the source image at most this size (in pixels, a multiple of
+# its 28-pixel merged patches): 16 image tokens in the prompt. The released processor allows
+# up to 12.8 MP, which the pipeline's 1 MP source image stays under.
+_EDIT_VISION_PIXELS = 112 * 112
+
+
+def _build_qwenimage_edit():
+    """Qwen-Image-Edit: the Qwen-Image components plus the processor that turns the prompt
+    and its source image into the text encoder's inputs (image tokens expanded in the text)."""
+    from diffusers import QwenImageEditPipeline
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
     )
+
+    from flowgrpo_cli.models.qwenimage_edit import ImageOnlyQwen2VLProcessor
+
+    components = _qwen_components()
+    size = {"shortest_edge": 28 * 28, "longest_edge": _EDIT_VISION_PIXELS}
+    processor = ImageOnlyQwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessorPil(size=size), tokenizer=components["tokenizer"]
+    )
+    return QwenImageEditPipeline(**components, processor=processor)
+
+
+def _name_released_processor(out_dir: Path) -> None:
+    """Record the edit pipeline's processor as the released checkpoint does (transformers'
+    Qwen2VLProcessor), not as the image-only subclass it was built with, so the folder reads
+    like a real one (load_adapter loads the processor itself either way)."""
+    index_file = out_dir / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config_file = out_dir / "processor" / "processor_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        config["processor_class"] = "Qwen2VLProcessor"
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 _BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
@@ -323,6 +371,7 @@ _BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "flux": lambda: _build_flux(guidance_embeds=True),
     "flux-schnell": lambda: _build_flux(guidance_embeds=False),
     "qwenimage": _build_qwenimage,
+    "qwenimage_edit": _build_qwenimage_edit,
 }
 
 #: What `build_tiny_pipeline` can build: one per family, plus SD3.5's block kinds and FLUX
@@ -349,6 +398,8 @@ def build_tiny_pipeline(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
+    if family == "qwenimage_edit":
+        _name_released_processor(out_dir)
     return out_dir
 
 
