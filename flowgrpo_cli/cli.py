@@ -177,7 +177,7 @@ def prepare(
         bool, typer.Option("--skip-invalid", help="Skip invalid rows and report how many.")
     ] = False,
 ) -> None:
-    """Prompt files (txt / jsonl / csv / parquet) -> RUN/data/{train,test}.parquet."""
+    """Prompt files (txt / jsonl / csv / parquet; an `image` column for editing) -> RUN/data/."""
     from flowgrpo_cli.stages import prepare as stage
     from flowgrpo_cli.store.runconfig import resolve_run
 

@@ -17,7 +17,7 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.geneval_rules import colour_requests
 from flowgrpo_cli.rewards.imports import add_plugin_dirs
 from flowgrpo_cli.rewards.registry import reward_needing
-from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
+from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, DataSection, config_hash
 from flowgrpo_cli.store.prompts import (
     PromptRow,
     format_problems,
@@ -41,14 +41,21 @@ COLUMNS = (
     "prompt_index", "prompt", "ground_truth", "negative_prompt", "system_prompt", "source",
     "geneval",
 )  # fmt: skip
+# An editing data set's tables add `source_image` (PNG) and `source_sha256`, in row groups of
+# this many rows: rollout and score read the images of a few prompts by prompt_index, and the
+# row groups' statistics let them skip the rest.
+IMAGE_ROW_GROUP = 64
 
 
 def _load(
-    path: Path, skip_invalid: bool, needs_target: str | None, needs_record: str | None
+    path: Path, data: DataSection, needs_target: str | None, needs_record: str | None
 ) -> tuple[list[PromptRow], int]:
     # colour_requests parses a GenEval record, raising a FlowGrpoError that names a bad key.
-    parsed = read_prompt_file(path, needs_target, needs_record, check_record=colour_requests)
-    if parsed.problems and not skip_invalid:
+    parsed = read_prompt_file(
+        path, needs_target, needs_record, check_record=colour_requests,
+        max_image_pixels=data.max_image_pixels,
+    )  # fmt: skip
+    if parsed.problems and not data.skip_invalid:
         raise FlowGrpoError(
             f"{len(parsed.problems)} invalid prompt row(s) in {path} "
             f"(pass --skip-invalid to skip them):\n  "
@@ -57,6 +64,23 @@ def _load(
     if not parsed.rows:
         raise FlowGrpoError(f"{path}: no valid prompts")
     return parsed.rows, len(parsed.problems)
+
+
+def _check_source_images(rows: list[PromptRow], needs_source: str | None) -> None:
+    """Every prompt with a source image (an editing data set) or none (text-to-image); a
+    reward that reads source images needs the former."""
+    with_image = next((row for row in rows if row.source_image is not None), None)
+    without = next((row for row in rows if row.source_image is None), None)
+    if with_image is not None and without is not None:
+        raise FlowGrpoError(
+            f"{without.source}: no `image` for {without.prompt[:60]!r}, but {with_image.source} "
+            "has one: in an editing data set every prompt names its source image"
+        )
+    if with_image is None and needs_source is not None:
+        raise FlowGrpoError(
+            f"{rows[0].source}: no `image` for {rows[0].prompt[:60]!r}; the `{needs_source}` "
+            "reward reads source images (an editing data set: give every prompt an `image`)"
+        )
 
 
 def _split(
@@ -98,7 +122,17 @@ def _table(rows: list[PromptRow], data: Any):  # -> pyarrow.Table
         "source": pa.array([r.source for r in rows], pa.string()),
         "geneval": pa.array([r.geneval for r in rows], pa.string()),  # JSON, or null
     }
+    sources = [r.source_image for r in rows if r.source_image is not None]
+    if sources:  # an editing data set (_check_source_images: every row has one)
+        columns["source_image"] = pa.array([s.png for s in sources], pa.binary())
+        columns["source_sha256"] = pa.array([s.sha256 for s in sources], pa.string())
     return pa.table(columns)
+
+
+def _digest(hashes: list[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
 
 
 def _length_stats(rows: list[PromptRow]) -> dict[str, Any]:
@@ -150,21 +184,28 @@ def run(config: Config, run: RunDir) -> StageResult:
     add_plugin_dirs(config.reward.plugin_dirs)
     needs_target = reward_needing(config.reward.weights, "ground_truths")
     needs_record = reward_needing(config.reward.weights, "geneval")
+    needs_source = reward_needing(config.reward.weights, "source_images")
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
+    # Read and check the prompts before the data folder exists: bad input leaves no trace.
+    train, skipped = _load(train_path, data, needs_target, needs_record)
+    if test_path is not None:
+        test, skipped_test = _load(test_path, data, needs_target, needs_record)
+        skipped += skipped_test
+        _check_source_images(train + test, needs_source)
+    else:
+        _check_source_images(train, needs_source)
+        train, test = _split(train, data.test_fraction, config.run.seed)
+    # The source images are files of their own: their hashes are inputs too.
+    images = [r.source_image.sha256 for r in train + test if r.source_image is not None]
     identity = {
         "config": config_hash(config, STAGE_SECTIONS[PREPARE.name]),
         "inputs": inputs,
         "targets_needed_by": needs_target,  # another reward set may accept other rows
-        # only when set: runs prepared before GenEval records keep their identity
+        # only when set: runs prepared before GenEval records (or source images) keep their
+        # identity
         **({"records_needed_by": needs_record} if needs_record else {}),
+        **({"source_images": _digest(images)} if images else {}),
     }
-    # Read and check the prompts before the data folder exists: bad input leaves no trace.
-    train, skipped = _load(train_path, data.skip_invalid, needs_target, needs_record)
-    if test_path is not None:
-        test, skipped_test = _load(test_path, data.skip_invalid, needs_target, needs_record)
-        skipped += skipped_test
-    else:
-        train, test = _split(train, data.test_fraction, config.run.seed)
     if data.train_prompts:
         train = train[: data.train_prompts]
     splits = {"train": train, "test": test}
@@ -182,8 +223,9 @@ def run(config: Config, run: RunDir) -> StageResult:
     test_prompts = {row.prompt for row in test}
     overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})
     for name, table in tables.items():
+        row_group = IMAGE_ROW_GROUP if "source_image" in table.column_names else None
         with atomic_file(writer.part_path(f"{name}.parquet")) as handle:
-            pq.write_table(table, handle, compression="zstd")
+            pq.write_table(table, handle, compression="zstd", row_group_size=row_group)
     summary = {
         "skipped_invalid": skipped,
         "duplicates": {name: _duplicates(rows) for name, rows in splits.items()},

@@ -128,6 +128,9 @@ class RunSection:
     )
 
 
+MAX_IMAGE_PIXELS = 4096 * 4096  # data.max_image_pixels' default
+
+
 @dataclass
 class DataSection:
     train: str = _option(
@@ -157,6 +160,14 @@ class DataSection:
     )
     negative_prompt: str = _option("", "Negative prompt for every row lacking its own.")
     system_prompt: str = _option("", "System prompt (Qwen-Image); empty = the pipeline's own.")
+    max_image_pixels: int = _option(
+        MAX_IMAGE_PIXELS,
+        "Largest source image (width x height) an editing data set's `image` column may hold; "
+        "a larger one is an invalid row.",
+        check=_at_least(1),
+        # At its default it leaves the hash of runs prepared before the key existed alone.
+        used_when=lambda data: data.max_image_pixels != MAX_IMAGE_PIXELS,
+    )
 
 
 @dataclass

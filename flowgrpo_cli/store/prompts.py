@@ -7,7 +7,10 @@ The target (the text an OCR reward reads for) is the first quoted span of the pr
 refused only when a reward that needs targets will score it (`needs_target`). A jsonl row
 that is a GenEval metadata record (it has GenEval's `include` key) keeps the record, checked
 by the caller's `check_record` (prepare passes the geneval reward's rules); a reward that
-reads records refuses rows without one (`needs_record`).
+reads records refuses rows without one (`needs_record`). A row of an editing data set names its
+source image in an `image` column (jsonl, csv, parquet: a path relative to the file; parquet
+also the image's bytes, plain or as Hugging Face's `{bytes, path}` struct); each image is read
+and checked (flowgrpo_cli.store.source_images), and a bad one is a problem of its row.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from pathlib import Path
 
 from flowgrpo_cli import untrusted
 from flowgrpo_cli.errors import FlowGrpoError
+from flowgrpo_cli.store.config import MAX_IMAGE_PIXELS
+from flowgrpo_cli.store.source_images import SourceImage, load_source_image
 
 # The first quoted span: straight double quotes, or curly ones opened with “ and closed with ”.
 _QUOTED = re.compile(r'"([^"]*)"|“([^”]*)”')
@@ -36,6 +41,10 @@ class PromptRow:
     negative_prompt: str | None
     source: str  # "file:line", for messages and traceability
     geneval: str | None = None  # the row's GenEval record, compact JSON with sorted keys
+    # An editing data set's source image as the file gives it: a path (resolved against the
+    # file's folder) or a parquet cell's bytes; read and checked into `source_image`.
+    image: Path | bytes | None = None
+    source_image: SourceImage | None = None
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ def _read_jsonl(path: Path) -> list[PromptRow | PromptProblem]:
             record = {key: obj[key] for key in GENEVAL_KEYS if key in obj}
             text = json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
             row = dataclasses.replace(row, geneval=text)
-        out.append(row)
+        out.append(_with_image(row, obj.get("image"), path))
     return out
 
 
@@ -193,8 +202,8 @@ def _read_csv(path: Path) -> list[PromptRow | PromptProblem]:
             ))  # fmt: skip
         else:
             rec = dict(zip(header, fields, strict=True))
-            out.append(_row(rec["prompt"], rec.get("ground_truth"), rec.get("negative_prompt"),
-                            source))  # fmt: skip
+            row = _row(rec["prompt"], rec.get("ground_truth"), rec.get("negative_prompt"), source)
+            out.append(_with_image(row, rec.get("image"), path))
     return out
 
 
@@ -208,10 +217,38 @@ def _read_parquet(path: Path) -> list[PromptRow | PromptProblem]:
     if "prompt" not in frame.columns:
         raise FlowGrpoError(f"{path}: no `prompt` column (columns: {', '.join(frame.columns)})")
     records = frame.to_dict("records")
-    return [  # parquet has rows, not lines: report the row index
+    rows = [  # parquet has rows, not lines: report the row index
         _row(r.get("prompt"), r.get("ground_truth"), r.get("negative_prompt"), f"{path}:row {n}")
         for n, r in enumerate(records)
     ]
+    return [_with_image(row, r.get("image"), path) for row, r in zip(rows, records, strict=True)]
+
+
+def _with_image(
+    row: PromptRow | PromptProblem, value: object, path: Path
+) -> PromptRow | PromptProblem:
+    """`row` with the source image its `image` field names (read later: `_loaded_image`): a
+    path relative to the prompt file `path`, or a parquet cell's bytes, plain or in Hugging
+    Face's `{bytes, path}` struct. No value, or an empty one, is a row without an image."""
+    if not isinstance(row, PromptRow) or value is None or value == "" or _is_missing(value):
+        return row
+    if isinstance(value, dict):  # Hugging Face datasets' Image feature
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, bytes):
+        return dataclasses.replace(row, image=value)
+    if isinstance(value, str) and value:
+        return dataclasses.replace(row, image=path.parent / value)
+    return PromptProblem(row.source, f"image is not a path or image bytes: {_clip(repr(value))}")
+
+
+def _loaded_image(item: PromptRow | PromptProblem, max_pixels: int) -> PromptRow | PromptProblem:
+    if not isinstance(item, PromptRow) or item.image is None:
+        return item
+    try:
+        image = load_source_image(item.image, max_pixels)
+    except FlowGrpoError as err:
+        return PromptProblem(item.source, str(err))
+    return dataclasses.replace(item, source_image=image)
 
 
 def read_prompt_file(
@@ -219,12 +256,14 @@ def read_prompt_file(
     needs_target: str | None = None,
     needs_record: str | None = None,
     check_record: Callable[[dict], object] | None = None,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
 ) -> PromptFile:
     """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all.
     `needs_target` names the reward that needs every prompt to have a target, if any: a row
     without one is then a problem that says so; `needs_record` likewise for GenEval records.
     `check_record` raises FlowGrpoError for a GenEval record that is not well formed: that
-    row is then a problem with its message."""
+    row is then a problem with its message. A source image that is missing, unreadable or
+    over `max_image_pixels` is a problem of its row too."""
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise FlowGrpoError(f"prompt file {path} {what}")
@@ -240,7 +279,7 @@ def read_prompt_file(
             f"{path}: unsupported prompt file type {path.suffix!r} "
             f"(supported: {', '.join(SUPPORTED_SUFFIXES)})"
         )
-    items = reader(path)
+    items = [_loaded_image(item, max_image_pixels) for item in reader(path)]
     if needs_target is not None:
         items = [_require_target(item, needs_target) for item in items]
     if check_record is not None:
