@@ -26,7 +26,7 @@ from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.rewards.base import GENEVAL_KEY
 from flowgrpo_cli.store.config import Config, config_hash
 from flowgrpo_cli.store.contract import SamplerSettings
-from flowgrpo_cli.store.datatable import geneval_records, read_split
+from flowgrpo_cli.store.datatable import geneval_records, read_split, source_images
 from flowgrpo_cli.store.rundir import (
     CHECKPOINT,
     EVAL,
@@ -53,6 +53,7 @@ def evaluation_requests(config: Config, run: RunDir) -> list[SampleRequest]:
     rows = read_split(run, "test")
     if config.eval.num_prompts:
         rows = rows[: config.eval.num_prompts]
+    images = source_images(run, "test", [row["prompt_index"] for row in rows])  # {}: text only
     return [
         SampleRequest(
             sample_id=f"eval-p{i:05d}",
@@ -63,6 +64,7 @@ def evaluation_requests(config: Config, run: RunDir) -> list[SampleRequest]:
             ground_truth=row["ground_truth"],
             negative_prompt=row["negative_prompt"] or "",
             system_prompt=row["system_prompt"] or "",
+            source_image=images.get(row["prompt_index"]),
         )
         for i, row in enumerate(rows)
     ]
@@ -230,6 +232,7 @@ def _sample_and_score(
     prompt_index -> GenEval record of the test prompts that have one."""
     from flowgrpo_cli.models import to_pil, to_png
     from flowgrpo_cli.rewards.base import RewardBatch
+    from flowgrpo_cli.store.source_images import decode_batch
 
     conditioning = engine.encode(requests, settings.guidance_scale)
     tables = []
@@ -240,6 +243,7 @@ def _sample_and_score(
             prompts=[r.prompt for r in chunk],
             ground_truths=[r.ground_truth for r in chunk],
             metadata=[_metadata(r, records) for r in chunk],
+            source_images=decode_batch([r.source_image for r in chunk]),
         ))  # fmt: skip
         columns = {
             "sample_id": pa.array([r.sample_id for r in chunk], pa.string()),

@@ -24,7 +24,7 @@ from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_i
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest, SamplerSettings
-from flowgrpo_cli.store.datatable import read_split
+from flowgrpo_cli.store.datatable import read_split, source_images
 from flowgrpo_cli.store.rundir import (
     PREPARE,
     ROLLOUT,
@@ -123,6 +123,7 @@ def build_requests(
     chosen = select_prompts(
         len(rows), config.algorithm.prompts_per_iteration, config.run.seed, iteration
     )
+    images = source_images(run, "train", [chosen[group] for group in groups])  # {}: text only
     requests = []
     for group in groups:
         index = chosen[group]
@@ -144,6 +145,7 @@ def build_requests(
                     negative_prompt=row["negative_prompt"] or "",
                     system_prompt=row["system_prompt"] or "",
                     noise_seed=noise_seed,
+                    source_image=images.get(index),
                 )
             )
     return requests

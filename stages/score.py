@@ -26,7 +26,7 @@ from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_i
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.store.config import STAGE_SECTIONS, Config, config_hash
 from flowgrpo_cli.store.contract import RolloutManifest
-from flowgrpo_cli.store.datatable import geneval_records, read_split
+from flowgrpo_cli.store.datatable import geneval_records, read_split, source_images
 from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, RunDir, StageWriter, manifest_hash
 from flowgrpo_cli.store.trajectory import iter_batches, open_part, read_table, write_table
 
@@ -37,12 +37,14 @@ _READ_COLUMNS = ["sample_id", "group_id", "prompt_index", "prompt", "ground_trut
 PartsScorer = Callable[[list[str], Progress], int]
 
 
-def _reward_batches(path, records: dict[int, dict], progress: Progress):
+def _reward_batches(path, records: dict[int, dict], sources: dict[int, bytes], progress: Progress):
     """The part's images in batches; `records`: prompt_index -> GenEval record, put in the
-    metadata of every image of a prompt that has one."""
+    metadata of every image of a prompt that has one; `sources`: prompt_index -> its source
+    image (PNG) in an editing data set, handed to the rewards as `source_images`."""
     from PIL import Image
 
     from flowgrpo_cli.rewards.base import GENEVAL_KEY, RewardBatch
+    from flowgrpo_cli.store.source_images import decode_batch
 
     for batch in iter_batches([path], _READ_COLUMNS):
         rows = batch.to_pylist()
@@ -57,6 +59,7 @@ def _reward_batches(path, records: dict[int, dict], progress: Progress):
             prompts=[r["prompt"] for r in rows],
             ground_truths=[r["ground_truth"] for r in rows],
             metadata=metadata,
+            source_images=decode_batch([sources.get(r["prompt_index"]) for r in rows]),
         )
         progress.advance(len(rows))  # the batch was scored before the generator resumes
 
@@ -90,12 +93,13 @@ def score_part(
 
     progress = progress or NullProgress()
     rollout_dir, stage_dir = run.stage_dir(iteration, ROLLOUT), run.stage_dir(iteration, SCORE)
-    sample_ids = read_table([rollout_dir / name], ["sample_id"]).column("sample_id").to_pylist()
+    part = read_table([rollout_dir / name], ["sample_id", "prompt_index"])
+    sample_ids = part.column("sample_id").to_pylist()
     progress.start(_label(iteration, name), total=len(sample_ids))
     records = geneval_records(read_split(run, "train"))  # rollout's prompt_index is a row
-    scored = score_batches(
-        rewards, _reward_batches(rollout_dir / name, records, progress), config.reward.on_error
-    )
+    sources = source_images(run, "train", part.column("prompt_index").to_pylist())
+    batches = _reward_batches(rollout_dir / name, records, sources, progress)
+    scored = score_batches(rewards, batches, config.reward.on_error)
     progress.finish()
     write_table(stage_dir / name, _score_table(scored, sample_ids, rewards.info))
     return len(sample_ids)

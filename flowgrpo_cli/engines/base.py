@@ -17,6 +17,7 @@ import torch
 from flowgrpo_cli.engines.sampling import SampledBatch
 from flowgrpo_cli.models import Conditioning
 from flowgrpo_cli.store.contract import SamplerSettings
+from flowgrpo_cli.store.source_images import decode_source_image
 
 if TYPE_CHECKING:
     from flowgrpo_cli.training.policy import Policy
@@ -37,6 +38,9 @@ class SampleRequest:
     # The seed of the generator the initial noise is drawn from (sampler.same_noise_per_group:
     # one per group); None: the sample's own generator, which then draws its SDE noise too.
     noise_seed: int | None = None
+    # PNG bytes of the image the prompt edits (an editing data set), None for text-to-image:
+    # the prompt table's `source_image`, shared by the requests of a group.
+    source_image: bytes | None = None
 
 
 class RolloutEngine(ABC):
@@ -62,18 +66,22 @@ class RolloutEngine(ABC):
 
     def encode(self, requests: list[SampleRequest], guidance_scale: float) -> GroupConditioning:
         """Text conditioning per group id (one row each), for the requests' groups, with the
-        negative prompts' embeddings when they will be sampled with CFG (guidance_scale > 1)."""
+        negative prompts' embeddings when they will be sampled with CFG (guidance_scale > 1),
+        and what an editing family encodes of the group's source image. The adapter refuses
+        source images for a text-to-image family, and their absence for an editing one."""
         firsts: dict[int, SampleRequest] = {}
         for request in requests:
             firsts.setdefault(request.group_id, request)
         out = {}
         for group_id, request in firsts.items():
+            source = request.source_image
             out[group_id] = self.policy.adapter.encode_prompts(
                 [request.prompt],
                 [request.negative_prompt],
                 guidance_scale=guidance_scale,
                 max_sequence_length=self.max_sequence_length,
                 system_prompt=request.system_prompt or None,
+                source_images=None if source is None else [decode_source_image(source)],
             )
         return out
 

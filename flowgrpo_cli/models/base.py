@@ -559,13 +559,18 @@ def check_source_images(
         if takes_source_image:
             raise FlowGrpoError(
                 f"The {family} model edits a source image, and the prompts came without one: "
-                "prepare prompts with an `image` column (docs/stages.md)."
+                "prepare an editing data set, a jsonl, csv or parquet prompt file whose rows "
+                "name their image in an `image` column (a path relative to the file; parquet "
+                'may hold the image bytes), e.g. {"prompt": "make the sky red", "image": '
+                '"images/0001.png"}, with `flowgrpo prepare --train FILE` into a new run '
+                "(docs/stages.md)."
             )
         return
     if not takes_source_image:
         raise FlowGrpoError(
             f"The prompts come with source images (an editing data set), but the {family} "
-            "model generates from text alone: use an editing model (qwenimage_edit)."
+            "model generates from text alone: set model.path to an editing model (the "
+            "qwenimage_edit family, e.g. Qwen/Qwen-Image-Edit)."
         )
     if len(source_images) != prompts:
         raise FlowGrpoError(f"Got {len(source_images)} source images for {prompts} prompts.")

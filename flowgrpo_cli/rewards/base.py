@@ -15,8 +15,9 @@ from typing import Any, Literal, Protocol, SupportsFloat, cast
 from PIL import Image
 
 # What a reward may need from a batch besides metadata, which is always there (maybe empty);
-# "geneval": every image's metadata holds its GenEval record under GENEVAL_KEY.
-Need = Literal["images", "prompts", "ground_truths", "geneval"]
+# "geneval": every image's metadata holds its GenEval record under GENEVAL_KEY;
+# "source_images": the image each was edited from (an editing data set).
+Need = Literal["images", "prompts", "ground_truths", "geneval", "source_images"]
 GENEVAL_KEY = "geneval"
 
 
@@ -26,24 +27,28 @@ class RewardBatch:
 
     `metadata` holds a dict per image (the score stage puts sample_id and group_id there, and
     the prompt's GenEval record, a dict, under GENEVAL_KEY when it has one);
-    `ground_truths[i]` is the OCR target of image i, or None when its prompt has none.
+    `ground_truths[i]` is the OCR target of image i, or None when its prompt has none;
+    `source_images[i]` the image its prompt edits (RGB, the size the data set gave it), for
+    an editing data set (None for a text-to-image one).
     """
 
     images: list[Image.Image]
     prompts: list[str] | None = None
     ground_truths: list[str | None] | None = None
     metadata: list[dict[str, Any]] | None = None
+    source_images: list[Image.Image] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "ground_truths", "metadata"):
+        for name in ("prompts", "ground_truths", "metadata", "source_images"):
             column = getattr(self, name)
             if column is not None and len(column) != len(self.images):
                 raise ValueError(f"RewardBatch: {len(column)} {name} for {len(self.images)} images")
-        for index, image in enumerate(self.images):
-            if not isinstance(image, Image.Image):
-                raise TypeError(
-                    f"RewardBatch: image {index} is a {type(image).__name__}, not a PIL image"
-                )
+        for name in ("images", "source_images"):
+            for index, image in enumerate(getattr(self, name) or []):
+                if not isinstance(image, Image.Image):
+                    raise TypeError(
+                        f"RewardBatch: {name}[{index}] is a {type(image).__name__}, not a PIL image"
+                    )
 
     def __len__(self) -> int:
         return len(self.images)
@@ -57,6 +62,7 @@ class RewardBatch:
             part(self.prompts),
             part(self.ground_truths),
             part(self.metadata),
+            part(self.source_images),
         )
 
     def has(self, need: Need) -> bool:

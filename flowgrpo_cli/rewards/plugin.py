@@ -14,6 +14,10 @@ more:
                                                            # "geneval": every image's record
     score.parallel_safe = True    # may run in a thread beside other rewards; default False
 
+A function whose `needs` holds "source_images" (an editing data set) is called with one more
+argument, by keyword: `source_images`, the PIL image each image's prompt edits, in order
+(RGB, at the size the data set gave it). Other functions are called as above.
+
 When the call raises, the function is called again one image at a time, so only the images
 that fail get an error. A value that is not a finite number is an error for that image; the
 wrong number of values, or something that is not a sequence of them, is a FlowGrpoError (a
@@ -56,12 +60,19 @@ _STOP_WAIT_S = 5.0  # for a worker to end once its pipe is closed, before it is 
 
 
 def score_in_process(
-    name: str, function: PluginFunction, images: list, prompts: list, metadata: list
+    name: str,
+    function: PluginFunction,
+    images: list,
+    prompts: list,
+    metadata: list,
+    source_images: list | None = None,
 ) -> list[ImageScore]:
     """One ImageScore per image from `function` (in this process); FlowGrpoError for a bug
-    of the plugin. A call that raises is repeated image by image."""
+    of the plugin. A call that raises is repeated image by image. `source_images`, when
+    given, is passed by keyword."""
+    extra = {} if source_images is None else {"source_images": source_images}
     try:
-        raw = function(images, prompts, metadata)
+        raw = function(images, prompts, metadata, **extra)
     except SystemExit as err:  # sys.exit() in a plugin would end the run without a word
         raise FlowGrpoError(
             f"reward {name!r} called sys.exit({err.code!r}) while scoring; a reward "
@@ -74,7 +85,12 @@ def score_in_process(
             score
             for i in range(len(images))
             for score in score_in_process(
-                name, function, images[i : i + 1], prompts[i : i + 1], metadata[i : i + 1]
+                name,
+                function,
+                images[i : i + 1],
+                prompts[i : i + 1],
+                metadata[i : i + 1],
+                None if source_images is None else source_images[i : i + 1],
             )
         ]
     return [ImageScore.checked(value) for value in _values(name, raw, len(images))]
@@ -109,15 +125,16 @@ def _worker_main(connection: Any, spec: str) -> None:
         function = err
     while True:
         try:
-            images, prompts, metadata = connection.recv()
+            images, prompts, metadata, source_images = connection.recv()
         except (EOFError, OSError):  # the parent closed the pipe, or is gone
             return
         try:
             if isinstance(function, FlowGrpoError):
                 raise function
             reply: tuple[str, Any] = (
-                "ok", score_in_process(spec, function, images, prompts, metadata),
-            )  # fmt: skip
+                "ok",
+                score_in_process(spec, function, images, prompts, metadata, source_images),
+            )
         except FlowGrpoError as err:
             reply = ("error", str(err))
         try:
@@ -153,7 +170,11 @@ class PluginReward:
 
     def score(self, batch: RewardBatch) -> RewardOutput:
         prompts = batch.prompts if batch.prompts is not None else [""] * len(batch)
-        request = (list(batch.images), list(prompts), batch.metadata_with_ground_truth())
+        sources = batch.source_images if "source_images" in self.needs else None
+        request = (
+            list(batch.images), list(prompts), batch.metadata_with_ground_truth(),
+            None if sources is None else list(sources),
+        )  # fmt: skip
         with self._lock:
             kind, payload = self._call(request)
         if kind == "error":

@@ -3,11 +3,13 @@
 Rollout and evaluation read them after their checksums were verified; a file whose bytes match
 a re-hashed manifest but that is not what `flowgrpo prepare` writes (not parquet, a column
 missing, a value of another type) is still refused with the file, the row and the column named.
+An editing data set's source images are read apart (`source_images`), for the prompts asked.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any, TypedDict
 
 from flowgrpo_cli.errors import FlowGrpoError
@@ -43,10 +45,10 @@ def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    path = run.data_dir / f"{split}.parquet"
-    redo = f"delete {run.data_dir} and run `flowgrpo prepare` again"
+    path, redo = run.data_dir / f"{split}.parquet", _redo(run)
     try:
-        table = pq.read_table(path)
+        present = set(pq.read_schema(path).names)  # not an editing set's source images
+        table = pq.read_table(path, columns=[c for c in COLUMNS if c in present])
     except (pa.ArrowException, OSError) as err:
         raise FlowGrpoError(f"{path}: not a readable parquet file ({err}); {redo}") from None
     for column in _OPTIONAL:
@@ -66,6 +68,34 @@ def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
                     f"{path}: row {number}, column `{column}` is {value!r}, not a {wanted}; {redo}"
                 )
     return rows
+
+
+def source_images(run: RunDir, split: str, indices: Iterable[int]) -> dict[int, bytes]:
+    """prompt_index -> the PNG bytes of its source image, for the prompts `indices` of
+    data/SPLIT.parquet; {} for a text-to-image data set (no `source_image` column). Reads the
+    row groups that hold those prompts alone (prepare keeps them small)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path, wanted = run.data_dir / f"{split}.parquet", sorted(set(indices))
+    try:
+        if not wanted or "source_image" not in pq.read_schema(path).names:
+            return {}
+        table = pq.read_table(
+            path, columns=["prompt_index", "source_image"],
+            filters=[("prompt_index", "in", wanted)],
+        )  # fmt: skip
+    except (pa.ArrowException, OSError) as err:
+        raise FlowGrpoError(f"{path}: not a readable parquet file ({err}); {_redo(run)}") from None
+    found = dict(zip(*table.to_pydict().values(), strict=True))
+    for index in wanted:
+        if not isinstance(found.get(index), bytes):
+            raise FlowGrpoError(f"{path}: prompt_index {index} has no source image; {_redo(run)}")
+    return found
+
+
+def _redo(run: RunDir) -> str:
+    return f"delete {run.data_dir} and run `flowgrpo prepare` again"
 
 
 def geneval_records(rows: list[PromptTableRow]) -> dict[int, dict[str, Any]]:
