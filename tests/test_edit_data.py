@@ -1,0 +1,274 @@
+"""Editing data sets from prompt file to reward: `prepare` reads each row's source image (a path
+in jsonl / csv, bytes in parquet), checks it and keeps it as PNG with its input's SHA-256;
+rollout hands it to the qwenimage_edit adapter, score and the plugins get it as
+`source_images`; a text-to-image model with edit prompts, or the reverse, stops at once."""
+
+import hashlib
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from flowgrpo_cli.cli import app
+
+runner = CliRunner()
+JPEG = "reward.weights={jpeg_compressibility = 1.0}"
+EDITS = ["make the sky red", "add a small cat", "turn it into a sketch", "remove the tree"]
+# 1 - mean |result - source| over RGB in [0, 1], the source resized to the result's size.
+PLUGIN = """
+import numpy as np
+from PIL import Image
+
+def score(images, prompts, metadata, source_images):
+    out = []
+    for image, source in zip(images, source_images, strict=True):
+        a = np.asarray(image.convert("RGB"), dtype=np.float64) / 255
+        b = np.asarray(source.resize(image.size, Image.Resampling.BILINEAR), dtype=np.float64) / 255
+        out.append(1 - np.abs(a - b).mean())
+    return out
+
+score.needs = {"images", "source_images"}
+"""
+
+
+def pixels(seed: int, width: int = 12, height: int = 9) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def write_images(folder: Path, count: int = len(EDITS)) -> list[np.ndarray]:
+    """images/0.png ... in `folder`, each a seeded random 12 x 9 RGB image."""
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    arrays = [pixels(i) for i in range(count)]
+    for i, array in enumerate(arrays):
+        (folder / f"images/{i}.png").write_bytes(png(array))
+    return arrays
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def edit_jsonl(folder: Path) -> Path:
+    write_images(folder)
+    rows = [{"prompt": p, "image": f"images/{i}.png"} for i, p in enumerate(EDITS)]
+    return write_jsonl(folder / "edits.jsonl", rows)
+
+
+def prepare(tmp_path: Path, train: Path, *sets: str):
+    args = ["prepare", "--run", str(tmp_path / "run"), "--train", str(train), "--test", str(train)]
+    return runner.invoke(app, [*args, "--set", JPEG, *[a for s in sets for a in ("--set", s)]])
+
+
+def stored(tmp_path: Path) -> dict:
+    return pq.read_table(tmp_path / "run/data/train.parquet").to_pydict()
+
+
+def test_jsonl_rows_keep_their_images_as_png_with_the_files_hash(tmp_path):
+    train = edit_jsonl(tmp_path)
+    result = prepare(tmp_path, train)
+    assert result.exit_code == 0, result.output
+    table = stored(tmp_path)
+    assert table["prompt"] == EDITS
+    pairs = zip(table["source_image"], table["source_sha256"], strict=True)
+    for i, (data, digest) in enumerate(pairs):
+        assert data.startswith(b"\x89PNG")
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), pixels(i))
+        assert digest == hashlib.sha256((tmp_path / f"images/{i}.png").read_bytes()).hexdigest()
+
+
+def test_csv_paths_are_relative_to_the_file(tmp_path):
+    folder = tmp_path / "data"
+    write_images(folder)
+    lines = ["prompt,image", *[f"{p},images/{i}.png" for i, p in enumerate(EDITS)]]
+    train = folder / "edits.csv"
+    train.write_text("\n".join(lines) + "\n")
+    result = prepare(tmp_path, train)
+    assert result.exit_code == 0, result.output
+    images = stored(tmp_path)["source_image"]
+    assert [np.asarray(Image.open(io.BytesIO(d))).tolist() for d in images] == [
+        pixels(i).tolist() for i in range(len(EDITS))
+    ]
+
+
+def test_parquet_holds_bytes_plain_or_in_the_hugging_face_struct(tmp_path):
+    """Rows 0-1 in Hugging Face datasets' Image struct, rows 2-3 as a plain binary column."""
+    arrays = [pixels(i) for i in range(len(EDITS))]
+    struct = pa.array(
+        [{"bytes": png(a), "path": f"{i}.png"} for i, a in enumerate(arrays)],
+        pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
+    pq.write_table(pa.table({"prompt": EDITS, "image": struct}), tmp_path / "hf.parquet")
+    pq.write_table(
+        pa.table({"prompt": EDITS, "image": pa.array([png(a) for a in arrays], pa.binary())}),
+        tmp_path / "plain.parquet",
+    )
+    for name in ("hf", "plain"):
+        result = runner.invoke(app, [
+            "prepare", "--run", str(tmp_path / name), "--train", str(tmp_path / f"{name}.parquet"),
+            "--test", str(tmp_path / f"{name}.parquet"), "--set", JPEG,
+        ])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        table = pq.read_table(tmp_path / name / "data/train.parquet").to_pydict()
+        for i, data in enumerate(table["source_image"]):
+            assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), arrays[i])
+            assert table["source_sha256"][i] == hashlib.sha256(png(arrays[i])).hexdigest()
+
+
+def test_an_exif_rotated_photo_is_stored_upright(tmp_path):
+    """Orientation 6 (the camera was turned clockwise): shown rotated 90 degrees clockwise."""
+    array = pixels(0)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    Image.fromarray(array).save(tmp_path / "photo.png", exif=exif)
+    train = write_jsonl(tmp_path / "edits.jsonl", [{"prompt": "a", "image": "photo.png"}])
+    assert prepare(tmp_path, train).exit_code == 0
+    data = stored(tmp_path)["source_image"][0]
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), np.rot90(array, k=-1))
+
+
+def test_a_text_data_set_has_no_image_columns(tmp_path):
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": p} for p in EDITS])
+    assert prepare(tmp_path, train).exit_code == 0
+    assert "source_image" not in stored(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("image", "make", "message"),
+    [
+        ("images/missing.png", None, "image {folder}/images/missing.png does not exist"),
+        ("images", None, "image {folder}/images is a folder, not a file"),
+        ("notes.png", b"not an image", "image {folder}/notes.png cannot be read as an image"),
+        ("big.png", png(pixels(0, 11, 10)),
+         "image {folder}/big.png is 11 x 10 = 110 pixels, over data.max_image_pixels = 108"),
+        ("cut.png", png(pixels(0))[:60], "image {folder}/cut.png cannot be read as an image"),
+        (3, None, "image is not a path or image bytes: 3"),
+    ],
+)  # fmt: skip
+def test_a_bad_image_is_an_error_at_its_line(tmp_path, image, make, message):
+    write_images(tmp_path)
+    if make is not None:
+        (tmp_path / image).write_bytes(make)
+    rows = [{"prompt": EDITS[0], "image": "images/0.png"}, {"prompt": EDITS[1], "image": image}]
+    train = write_jsonl(tmp_path / "edits.jsonl", rows)
+    result = prepare(tmp_path, train, "data.max_image_pixels=108")
+    assert result.exit_code == 1
+    assert f"{train}:2: " + message.format(folder=tmp_path) in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def test_bad_bytes_in_parquet_are_an_error_at_their_row(tmp_path):
+    data = pa.array([png(pixels(0)), b"\x89PNG broken"], pa.binary())
+    path = tmp_path / "edits.parquet"
+    pq.write_table(pa.table({"prompt": EDITS[:2], "image": data}), path)
+    result = prepare(tmp_path, path)
+    assert result.exit_code == 1
+    assert f"{path}:row 1: the image bytes cannot be read as an image" in result.output
+
+
+def test_mixed_rows_name_the_first_prompt_without_an_image(tmp_path):
+    write_images(tmp_path)
+    rows = [
+        {"prompt": EDITS[0], "image": "images/0.png"},
+        {"prompt": EDITS[1]},
+        {"prompt": EDITS[2], "image": ""},
+    ]
+    train = write_jsonl(tmp_path / "edits.jsonl", rows)
+    result = prepare(tmp_path, train)
+    assert result.exit_code == 1
+    flat = " ".join(result.output.split())
+    assert f"{train}:2: no `image` for 'add a small cat', but {train}:1 has one" in flat
+
+
+def test_a_reward_that_reads_source_images_refuses_a_text_data_set(tmp_path):
+    (tmp_path / "similarity.py").write_text(PLUGIN)
+    train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": p} for p in EDITS])
+    result = prepare(
+        tmp_path, train, f'reward.plugin_dirs=["{tmp_path}"]',
+        "reward.weights={'similarity:score' = 1.0}",
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert f"{train}:1: no `image` for 'make the sky red'; the `similarity:score` reward" in (
+        " ".join(result.output.split())
+    )
+
+
+def similarity(result: Image.Image, source: Image.Image) -> float:
+    """The plugin's reward, worked out here on its own: 1 - mean absolute difference."""
+    a = np.asarray(result, dtype=np.float64) / 255
+    b = np.asarray(source.resize(result.size, Image.Resampling.BILINEAR), dtype=np.float64) / 255
+    return float(1 - np.abs(a - b).mean())
+
+
+def expected(row: dict, folder: Path) -> float:
+    """The reward of a saved result image, from the source file its prompt names."""
+    source = Image.open(folder / f"images/{EDITS.index(row['prompt'])}.png")
+    return similarity(Image.open(io.BytesIO(row["image"])).convert("RGB"), source)
+
+
+@pytest.mark.slow
+def test_two_loop_iterations_on_the_edit_model_reward_each_result_against_its_source(
+    make_run, tmp_path
+):
+    """The default algorithm, 2 prompts x 2 images an iteration, an evaluation of 2 held-out
+    prompts before each iteration and after the last; every recorded reward is the plugin's
+    function of the saved image and its prompt's source, worked out again here."""
+    from flowgrpo_cli.store.metrics_log import read_log
+    from flowgrpo_cli.store.rundir import ROLLOUT, SCORE
+    from flowgrpo_cli.store.trajectory import read_table
+
+    def parts(folder: Path, columns: list[str]) -> list[dict]:
+        return read_table(sorted(folder.glob("part-*.arrow")), columns).to_pylist()
+
+    (tmp_path / "similarity.py").write_text(PLUGIN)
+    train = edit_jsonl(tmp_path)
+    _, run = make_run(
+        f"data.train={train}", f"data.test={train}", f'reward.plugin_dirs=["{tmp_path}"]',
+        "reward.weights={'similarity:score' = 1.0}", "sampler.guidance_scale=1.0",
+        "eval.every=2", "eval.num_prompts=2", "eval.num_steps=2", "eval.guidance_scale=1.0",
+        family="qwenimage_edit",
+    )  # fmt: skip
+    result = runner.invoke(app, ["loop", "--run", str(run.root), "-n", "2"])
+    assert result.exit_code == 0, result.output
+    updates = [line for line in read_log(run) if any(k.startswith("update/") for k in line)]
+    assert len(updates) == 2  # and a third line: the evaluation after the last update
+    assert (run.checkpoint_dir(1) / "manifest.json").is_file()
+
+    for iteration in (0, 1):
+        rollout = parts(run.stage_dir(iteration, ROLLOUT), ["sample_id", "prompt", "image"])
+        scores = parts(run.stage_dir(iteration, SCORE), ["sample_id", "similarity:score"])
+        recorded = {row["sample_id"]: row["similarity:score"] for row in scores}
+        assert len(rollout) == len(recorded) == 4
+        for row in rollout:
+            assert recorded[row["sample_id"]] == pytest.approx(expected(row, tmp_path), 1e-12)
+    evaluated = parts(run.eval_dir(0), ["prompt", "image", "similarity:score"])
+    assert [row["prompt"] for row in evaluated] == EDITS[:2]
+    for row in evaluated:
+        assert row["similarity:score"] == pytest.approx(expected(row, tmp_path), 1e-12)
+
+
+def test_the_wrong_family_for_the_data_stops_the_rollout(make_run, tmp_path):
+    from helpers import do_rollout
+
+    from flowgrpo_cli.errors import FlowGrpoError
+
+    train = edit_jsonl(tmp_path)
+    config, run = make_run(f"data.train={train}", f"data.test={train}", family="qwenimage")
+    with pytest.raises(FlowGrpoError, match=r"generates from text alone: set model\.path"):
+        do_rollout(config, run)
+    config, run = make_run(family="qwenimage_edit", name="text")  # the default text prompts
+    with pytest.raises(FlowGrpoError, match=r"prepare an editing data set.*`image` column"):
+        do_rollout(config, run)
