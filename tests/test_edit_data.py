@@ -104,18 +104,22 @@ def test_csv_paths_are_relative_to_the_file(tmp_path):
 
 
 def test_parquet_holds_bytes_plain_or_in_the_hugging_face_struct(tmp_path):
-    """Rows 0-1 in Hugging Face datasets' Image struct, rows 2-3 as a plain binary column."""
-    arrays = [pixels(i) for i in range(len(EDITS))]
-    struct = pa.array(
-        [{"bytes": png(a), "path": f"{i}.png"} for i, a in enumerate(arrays)],
-        pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
-    )
-    pq.write_table(pa.table({"prompt": EDITS, "image": struct}), tmp_path / "hf.parquet")
+    """Hugging Face datasets' Image struct (with bytes, or with a path relative to the file
+    alone), and a plain binary column."""
+    arrays = write_images(tmp_path)
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = {
+        "hf": [{"bytes": png(a), "path": "elsewhere.png"} for a in arrays],
+        "hf_path": [{"bytes": None, "path": f"images/{i}.png"} for i in range(len(arrays))],
+    }
+    for name, values in cells.items():
+        table = pa.table({"prompt": EDITS, "image": pa.array(values, struct)})
+        pq.write_table(table, tmp_path / f"{name}.parquet")
     pq.write_table(
         pa.table({"prompt": EDITS, "image": pa.array([png(a) for a in arrays], pa.binary())}),
         tmp_path / "plain.parquet",
     )
-    for name in ("hf", "plain"):
+    for name in ("hf", "hf_path", "plain"):
         result = runner.invoke(app, [
             "prepare", "--run", str(tmp_path / name), "--train", str(tmp_path / f"{name}.parquet"),
             "--test", str(tmp_path / f"{name}.parquet"), "--set", JPEG,

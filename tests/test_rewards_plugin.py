@@ -72,6 +72,13 @@ def plugins(tmp_path, monkeypatch) -> Path:
 
         def records_thread(images, prompts, metadata):
             return [float(threading.current_thread() is threading.main_thread())] * len(images)
+
+        def source_level(images, prompts, metadata, source_images):
+            levels = [source.getpixel((0, 0))[0] for source in source_images]
+            if 7 in levels:
+                raise ValueError(f"source levels {levels}")
+            return levels
+        source_level.needs = {"images", "source_images"}
     """)
     )
     (tmp_path / "rw_broken.py").write_text("import rw_no_such_dependency\n")
@@ -118,6 +125,23 @@ def test_plugin_sees_ground_truth_in_metadata_when_it_needs_it(plugins):
         assert result.columns["rw_plugins:target_length"] == [4.0, 8.0]
         with pytest.raises(FlowGrpoError, match="needs ground_truths"):
             rewards.score(RewardBatch([gray(0)], prompts=["no targets here"]))
+
+
+def test_plugin_gets_source_images_by_keyword_when_it_needs_them(plugins):
+    """A call that raises is retried image by image with each image's own source; a plugin
+    without the need is called with three arguments, source images or not."""
+    images, sources = [gray(0)] * 3, [gray(3), gray(7), gray(5)]
+    weights = {"rw_plugins:source_level": 1.0, "rw_plugins:target_length": 1.0}
+    with build_rewards(weights) as rewards:
+        batch = RewardBatch(images, ground_truths=["ab", "c", ""], source_images=sources)
+        result = rewards.score(batch)
+        assert result.columns["rw_plugins:source_level"] == [3.0, None, 5.0]
+        assert result.columns["rw_plugins:target_length"] == [2.0, 1.0, 0.0]
+        assert result.reward_error[1] == "rw_plugins:source_level: ValueError: source levels [7]"
+        with pytest.raises(FlowGrpoError, match="needs source_images"):
+            rewards.score(RewardBatch([gray(0)], ground_truths=["a"]))
+    with pytest.raises(ValueError, match="2 source_images for 3 images"):
+        RewardBatch(images, source_images=sources[:2])
 
 
 def test_plugins_declared_parallel_safe_run_at_the_same_time(plugins, tmp_path, monkeypatch):
