@@ -47,7 +47,7 @@ def read_split(run: RunDir, split: str) -> list[PromptTableRow]:
 
     path, redo = run.data_dir / f"{split}.parquet", _redo(run)
     try:
-        present = set(pq.read_schema(path).names)  # not an editing set's source images
+        present = set(pq.read_schema(path).names)  # COLUMNS alone: no source images
         table = pq.read_table(path, columns=[c for c in COLUMNS if c in present])
     except (pa.ArrowException, OSError) as err:
         raise FlowGrpoError(f"{path}: not a readable parquet file ({err}); {redo}") from None
