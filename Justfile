@@ -108,6 +108,11 @@ overfit algorithm="awm" iterations="30": setup
         --set data.train_prompts=4 --set algorithm.prompts_per_iteration=4 \
         --set algorithm.group_size=16 --set eval.every=0
 
+# Options pass through: `just geneval-train --seed 1 --per-tag 2000` (examples/geneval/README.md).
+# GenEval training prompts by GenEval's rules, none a test prompt: examples/geneval/train_metadata.jsonl.
+geneval-train *ARGS: setup
+    {{offline}} {{python}} examples/geneval/make_train_metadata.py {{ARGS}}
+
 # Measured on the tiny model and scaled to SD3.5-M's shapes (docs/run-directory.md).
 # Disk of a 1,000-iteration run of examples/sd35m_ocr.toml, with and without retention.
 disk-projection: setup
