@@ -106,7 +106,8 @@ def test_summary_gives_gains_minutes_to_ten_points_and_rate_against_pretraining(
         # never above its start: best is minute 0, no rate
         "flow_grpo": [P(0, 0.50, 0.03, 0), P(5, 0.48, 0.02, 10)],
     }
-    rows = learn.summary_rows(curves)
+    curves["awm"].append(P(11, 0.90, 0.5, 22))  # past the 10-minute budget: left out
+    rows = learn.summary_rows(curves, minutes=10)
     assert rows[2] == "| awm | 0.400 | +12.0 (9%) | 8.0 min | 8.0 | +1.50 | 0.15x |"
     assert rows[3] == "| pretrain | 0.400 | +20.0 (20%) | 2.0 min | 1.0 | +10.00 | 1.00x |"
     assert rows[4] == "| flow_grpo | 0.500 | +0.0 (3%) | 0.0 min | never | - | - |"

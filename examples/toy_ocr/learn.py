@@ -257,11 +257,16 @@ def write_table(curves: dict[str, list[Point]], marks: Sequence[float], path: Pa
     path.write_text("\n".join(lines) + "\n")
 
 
-def summary_rows(curves: dict[str, list[Point]]) -> list[str]:
-    """A markdown table of each arm's gains, in points of accuracy (1 point = 0.01) over the
-    arm's own start (its evaluation at minute 0): the best gain, where it was reached, the
-    minutes to the first gain of +10, the best gain per minute of training, and that rate
-    against continued pre-training's when a `pretrain` arm is among the curves."""
+def summary_rows(curves: dict[str, list[Point]], minutes: float) -> list[str]:
+    """A markdown table of each arm's gains within `minutes` of training (an arm's last chunk
+    may run past it), in points of accuracy (1 point = 0.01) over the arm's own start (its
+    evaluation at minute 0): the best gain, where it was reached, the minutes to the first
+    gain of +10, the best gain per minute of training, and that rate against continued
+    pre-training's when a `pretrain` arm is among the curves."""
+    curves = {
+        arm: [point for point in curve if point.minutes <= minutes + 1e-9]
+        for arm, curve in curves.items()
+    }
 
     def best_rate(curve: list[Point]) -> float | None:
         best = max(curve, key=lambda p: p.accuracy)
@@ -306,7 +311,7 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6), layout="constrained")
     for arm, curve in curves.items():
         style = {"color": "black", "linestyle": "--"} if arm == "pretrain" else {}
         label = "continued pre-training" if arm == "pretrain" else arm
@@ -322,9 +327,8 @@ def plot(
     for ax in (left, right):
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-    left.legend()
+    fig.legend(*left.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -398,7 +402,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     marks = [m for m in (5, 10, 15, 20, 30, 45, 60) if m < options.minutes] + [options.minutes]
     write_table(curves, marks, options.out / "learn.md")
     with (options.out / "learn.md").open("a") as table:
-        table.write("\n" + "\n".join(summary_rows(curves)) + "\n")
+        table.write("\n" + "\n".join(summary_rows(curves, options.minutes)) + "\n")
     prompts = {"test": "held-out", "val": "validation"}[options.split]
     title = f"toy OCR base, {prompts} prompts, ODE, CFG 4 unless named"
     xlabel = f"training minutes ({options.parallel} arms at a time, {options.threads} thread each)"
