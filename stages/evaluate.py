@@ -23,7 +23,7 @@ from flowgrpo_cli.launch.distributed import dist_info
 from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
 from flowgrpo_cli.reporting.grid import GridItem, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
-from flowgrpo_cli.rewards.base import GENEVAL_KEY
+from flowgrpo_cli.rewards.base import sample_metadata
 from flowgrpo_cli.store.config import Config, config_hash
 from flowgrpo_cli.store.contract import SamplerSettings
 from flowgrpo_cli.store.datatable import geneval_records, read_split, source_images
@@ -212,13 +212,6 @@ def run(
     return run_stage(writer, evaluate_my_prompts, finish)
 
 
-def _metadata(request: SampleRequest, records: dict[int, dict]) -> dict:
-    meta: dict = {"sample_id": request.sample_id, "group_id": request.group_id}
-    if request.prompt_index in records:
-        meta[GENEVAL_KEY] = records[request.prompt_index]
-    return meta
-
-
 def _sample_and_score(
     requests: list[SampleRequest],
     records: dict[int, dict],
@@ -242,7 +235,8 @@ def _sample_and_score(
             images=to_pil(pixels),
             prompts=[r.prompt for r in chunk],
             ground_truths=[r.ground_truth for r in chunk],
-            metadata=[_metadata(r, records) for r in chunk],
+            metadata=[sample_metadata(r.sample_id, r.group_id, records.get(r.prompt_index))
+                      for r in chunk],
             source_images=decode_batch([r.source_image for r in chunk]),
         ))  # fmt: skip
         columns = {

@@ -43,22 +43,19 @@ def _reward_batches(path, records: dict[int, dict], sources: dict[int, bytes], p
     image (PNG) in an editing data set, handed to the rewards as `source_images`."""
     from PIL import Image
 
-    from flowgrpo_cli.rewards.base import GENEVAL_KEY, RewardBatch
+    from flowgrpo_cli.rewards.base import RewardBatch, sample_metadata
     from flowgrpo_cli.store.source_images import decode_batch
 
     for batch in iter_batches([path], _READ_COLUMNS):
         rows = batch.to_pylist()
-        metadata = []
-        for r in rows:
-            meta = {"sample_id": r["sample_id"], "group_id": r["group_id"]}
-            if r["prompt_index"] in records:
-                meta[GENEVAL_KEY] = records[r["prompt_index"]]
-            metadata.append(meta)
         yield RewardBatch(
             images=[Image.open(io.BytesIO(r["image"])).convert("RGB") for r in rows],
             prompts=[r["prompt"] for r in rows],
             ground_truths=[r["ground_truth"] for r in rows],
-            metadata=metadata,
+            metadata=[
+                sample_metadata(r["sample_id"], r["group_id"], records.get(r["prompt_index"]))
+                for r in rows
+            ],
             source_images=decode_batch([sources.get(r["prompt_index"]) for r in rows]),
         )
         progress.advance(len(rows))  # the batch was scored before the generator resumes

@@ -21,6 +21,15 @@ Need = Literal["images", "prompts", "ground_truths", "geneval", "source_images"]
 GENEVAL_KEY = "geneval"
 
 
+def sample_metadata(sample_id: str, group_id: int, record: dict[str, Any] | None) -> dict[str, Any]:
+    """One image's `metadata` as the score and evaluate stages give it: its ids, and its
+    prompt's GenEval record under GENEVAL_KEY when the prompt has one."""
+    meta: dict[str, Any] = {"sample_id": sample_id, "group_id": group_id}
+    if record is not None:
+        meta[GENEVAL_KEY] = record
+    return meta
+
+
 @dataclass(frozen=True)
 class RewardBatch:
     """Images to score and what they were made from; every list has one entry per image.
