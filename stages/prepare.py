@@ -182,9 +182,9 @@ def run(config: Config, run: RunDir) -> StageResult:
     # Prompts need a target only when a configured reward reads one (OCR): then it is named;
     # likewise a GenEval record.
     add_plugin_dirs(config.reward.plugin_dirs)
-    needs_target = reward_needing(config.reward.weights, "ground_truths")
-    needs_record = reward_needing(config.reward.weights, "geneval")
-    needs_source = reward_needing(config.reward.weights, "source_images")
+    needs_target = reward_needing(config.reward.weights, "ground_truths", config.reward)
+    needs_record = reward_needing(config.reward.weights, "geneval", config.reward)
+    needs_source = reward_needing(config.reward.weights, "source_images", config.reward)
     inputs = {str(p): sha256_file(p) for p in (train_path, test_path) if p and p.is_file()}
     # Read and check the prompts before the data folder exists: bad input leaves no trace.
     train, skipped = _load(train_path, data, needs_target, needs_record)

@@ -197,15 +197,23 @@ def test_mixed_rows_name_the_first_prompt_without_an_image(tmp_path):
     assert f"{train}:2: no `image` for 'add a small cat', but {train}:1 has one" in flat
 
 
-def test_a_reward_that_reads_source_images_refuses_a_text_data_set(tmp_path):
+@pytest.mark.parametrize(
+    ("name", "settings"),
+    [
+        ("similarity:score", []),
+        ("remote", ["reward.remote.url=http://scorer:8000/score",
+                    'reward.remote.needs=["source_images"]']),
+    ],
+)  # fmt: skip
+def test_a_reward_that_reads_source_images_refuses_a_text_data_set(tmp_path, name, settings):
     (tmp_path / "similarity.py").write_text(PLUGIN)
     train = write_jsonl(tmp_path / "t.jsonl", [{"prompt": p} for p in EDITS])
     result = prepare(
         tmp_path, train, f'reward.plugin_dirs=["{tmp_path}"]',
-        "reward.weights={'similarity:score' = 1.0}",
+        f"reward.weights={{'{name}' = 1.0}}", *settings,
     )  # fmt: skip
     assert result.exit_code == 1
-    assert f"{train}:1: no `image` for 'make the sky red'; the `similarity:score` reward" in (
+    assert f"{train}:1: no `image` for 'make the sky red'; the `{name}` reward" in (
         " ".join(result.output.split())
     )
 

@@ -145,6 +145,57 @@ def test_server_request_without_prompts_is_a_400_naming_the_field(scorer_app, tm
         sys.path.remove(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    ("sources", "problem"),
+    [
+        (["abc"], "source_images[0] is not a base64-encoded image"),
+        ([_b64(b"not an image at all")], "source_images[0] is not a base64-encoded image"),
+        ([7], "source_images[0] is not a base64-encoded image"),
+        ([], "`source_images` must be a list with one base64 image per image (1)"),
+        ("abc", "`source_images` must be a list with one base64 image per image (1)"),
+    ],
+)  # fmt: skip
+def test_server_refuses_bad_source_images(scorer_app, sources, problem):
+    body = json.dumps({"images": [_small_png()], "source_images": sources}).encode()
+    status, error = _post(scorer_app, body)
+    assert (status, error) == (400, problem)
+
+
+def test_server_refuses_source_images_past_the_pixel_limit(scorer_app):
+    sources = [_small_png(), _b64(_png(20000, 20000))]
+    body = json.dumps({"images": [_small_png()] * 2, "source_images": sources}).encode()
+    status, error = _post(scorer_app, body)
+    assert status == 400 and "source_images[1] is 20000x20000" in error
+    assert "--max-image-pixels" in error
+
+
+def test_server_request_without_source_images_is_a_400_naming_the_field(tmp_path):
+    """A served plugin that needs source images, and a text-to-image request."""
+    from starlette.testclient import TestClient
+
+    from flowgrpo_cli.rewards.server import BatchingScorer, Limits, build_app
+
+    (tmp_path / "rw_hostile_sourced.py").write_text(
+        "def score(images, prompts, metadata, source_images):\n"
+        "    return [float(s.width) for s in source_images]\n"
+        "score.needs = {'images', 'source_images'}\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with build_rewards({"rw_hostile_sourced:score": 1.0}) as rewards:
+            client = TestClient(build_app(BatchingScorer(rewards, 64), Limits()))
+            status, error = _post(client, json.dumps({"images": [_small_png()]}).encode())
+            assert status == 400
+            assert error == (
+                "`source_images` is missing: the served reward 'rw_hostile_sourced:score' needs it"
+            )
+            body = {"images": [_small_png()] * 2, "source_images": [_small_png()] * 2}
+            reply = client.post("/score", content=json.dumps(body).encode())
+            assert reply.status_code == 200 and reply.json()["scores"] == [8.0, 8.0]
+    finally:
+        sys.path.remove(str(tmp_path))
+
+
 def test_server_stops_reading_past_the_limit():
     """Over a real socket: a body that declares 50 MB against a 1 MB limit is answered 413
     before the client has sent more than a fraction of it (the server does not read on)."""

@@ -245,3 +245,76 @@ def test_waiting_requests_are_scored_together_and_each_gets_its_own_scores():
     assert rewards.sizes == [4, 12, 4, 4, 4]
     assert isinstance(results[2], FlowGrpoError) and "the reward broke" in str(results[2])
     assert [r.reward for r in results[:2] + results[3:]] == [pytest.approx(expected)] * 3
+
+
+def test_requests_merge_only_with_those_that_carry_source_images_as_they_do():
+    """Waiting requests with and without source images are scored in separate batches; each
+    request gets the scores of its own images' sources back."""
+    from flowgrpo_cli.rewards.server import BatchingScorer
+
+    class SourceRed(_CountingRewards):
+        def score(self, batch):
+            if batch.source_images is None:
+                return super().score(batch)
+            self.sizes.append(len(batch))
+            time.sleep(0.2)
+            values = [image.getpixel((0, 0))[0] / 255 for image in batch.source_images]
+            none = [None] * len(values)
+            return ScoreResult(("red",), {"red": values}, {"red": none}, values, none, {})
+
+    def edits(level: int) -> RewardBatch:
+        plain = batch()
+        sources = [Image.new("RGB", (8, 8), (level, 0, 0))] * len(plain)
+        return RewardBatch(plain.images, plain.prompts, None, plain.metadata, sources)
+
+    async def scenario(rewards):
+        scorer = BatchingScorer(rewards, 64)
+        first = asyncio.create_task(scorer.score(edits(10)))
+        await asyncio.sleep(0.05)
+        rest = [scorer.score(b) for b in (batch(), edits(20), batch(), edits(30))]
+        return await asyncio.gather(first, *[asyncio.create_task(r) for r in rest])
+
+    rewards = SourceRed()
+    results = asyncio.run(scenario(rewards))
+    assert rewards.sizes == [4, 8, 8]  # the first; the two text requests; the two edits
+    plain = [0.0, 80 / 255, 160 / 255, 240 / 255]
+    expected = [[10 / 255] * 4, plain, [20 / 255] * 4, plain, [30 / 255] * 4]
+    assert [result.reward for result in results] == [pytest.approx(e) for e in expected]
+
+
+SIMILARITY = """
+import numpy as np
+
+def score(images, prompts, metadata, source_images):
+    out = []
+    for image, source in zip(images, source_images, strict=True):
+        a = np.asarray(image.convert("RGB"), dtype=np.float64).mean(axis=(0, 1))
+        b = np.asarray(source, dtype=np.float64).mean(axis=(0, 1))
+        out.append(1 - np.abs(a - b).mean() / 255 + 0.001 * source.width)
+    return out
+
+score.needs = {"images", "source_images"}
+"""
+
+
+def test_source_images_make_the_round_trip_through_serve_reward(tmp_path, monkeypatch):
+    """The `remote` reward (declaring the server's need) against `serve-reward` serving a
+    plugin that reads source images: the served scores equal the plugin's in process, each
+    image scored against its own source (of its own size), across two requests."""
+    (tmp_path / "rw_similar.py").write_text(SIMILARITY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plain = batch()
+    sources = [Image.new("RGB", (20 + i, 10), (40 * i, 90, 200)) for i in range(4)]
+    edits = RewardBatch(plain.images, plain.prompts, None, plain.metadata, sources)
+    with build_rewards({"rw_similar:score": 1.0, "jpeg_compressibility": 0.1}) as local:
+        expected = local.score(edits).reward
+    assert len(set(expected)) == 4
+    serve = ("--reward", "rw_similar:score", "--reward", "jpeg_compressibility=0.1")
+    with serving_reward(*serve, "--plugin-dir", str(tmp_path)) as url:
+        with remote(url, batch_size=3, needs=["source_images"]) as rewards:
+            assert rewards.score(edits).reward == pytest.approx(expected, abs=1e-12)
+            with pytest.raises(FlowGrpoError, match="'remote' needs source_images"):
+                rewards.score(plain)
+        with remote(url, max_retries=0) as rewards, pytest.raises(FlowGrpoError) as err:
+            rewards.score(plain)  # no need declared: the server answers 400 naming the field
+        assert "HTTP 400" in str(err.value) and "`source_images` is missing" in str(err.value)

@@ -245,6 +245,66 @@ def test_bad_options(options, message):
         load_config(None, overrides)
 
 
+# --- source images (an editing data set) ------------------------------------------------------
+
+
+def test_a_text_to_image_request_is_the_same_bytes_as_before_source_images():
+    """No `source_images` key at all: the request an old server already reads, byte for byte
+    the format's four fields as they were written before the field existed."""
+    from flowgrpo_cli.rewards.remote import encode_png, encode_request
+
+    chunk = batch(3)
+    before = {
+        "images": [encode_png(image) for image in chunk.images],
+        "prompts": chunk.prompts,
+        "ground_truths": chunk.ground_truths,
+        "metadata": chunk.metadata,
+    }
+    assert encode_request(chunk) == json.dumps(before).encode("utf-8")
+
+
+def test_source_images_go_one_per_image_in_order(server):
+    url, behaviour = server
+    shared, other = gray(30), Image.new("RGB", (5, 7), (1, 2, 3))  # the sources' own sizes
+    chunk = batch(3)
+    edits = RewardBatch(
+        chunk.images, chunk.prompts, chunk.ground_truths, chunk.metadata,
+        source_images=[shared, other, shared],
+    )  # fmt: skip
+    result = remote(url, batch_size=2).score(edits)  # two requests: 2 images, then 1
+    assert [score.value for score in result.scores] == [0.0, pytest.approx(0.2), 0.4]
+    first, second = behaviour.requests
+    assert list(first) == ["images", "prompts", "ground_truths", "metadata", "source_images"]
+    sent = [
+        Image.open(io.BytesIO(base64.b64decode(text)))
+        for request in (first, second)
+        for text in request["source_images"]
+    ]
+    assert [image.size for image in sent] == [(16, 8), (5, 7), (16, 8)]
+    for image, source in zip(sent, [shared, other, shared], strict=True):
+        assert image.format == "PNG" and image.convert("RGB").tobytes() == source.tobytes()
+
+
+def test_needs_declare_what_the_server_reads():
+    from flowgrpo_cli.rewards.registry import reward_needs
+
+    assert reward_needs("remote") == {"images", "prompts"}
+    settings = RewardSection(remote=RemoteRewardSection(url="http://x", needs=["source_images"]))
+    assert reward_needs("remote", settings) == {"images", "prompts", "source_images"}
+    with build_rewards({"remote": 1.0}, settings) as rewards:
+        assert rewards.needs == {"remote": {"images", "prompts", "source_images"}}
+        with pytest.raises(FlowGrpoError, match="'remote' needs source_images"):
+            rewards.score(batch(1))  # a text batch: refused before any request
+    with pytest.raises(FlowGrpoError, match=r"names 'sources': expected any of ground_truths"):
+        load_config(None, ['reward.remote.needs=["sources"]'])
+    # Unset, the key leaves the config hash as it was.
+    from flowgrpo_cli.store.config import config_hash
+
+    assert config_hash(load_config(None)) == config_hash(
+        load_config(None, ["reward.remote.needs=[]"])
+    )
+
+
 def test_remote_without_a_url_is_a_config_error():
     with pytest.raises(FlowGrpoError, match=r"set \[reward.remote\] url"):
         build_rewards({"remote": 1.0})

@@ -53,21 +53,27 @@ def resolve(name: str) -> Builder:
     return cast(Builder, import_object(_BUILDERS[name], f"built-in reward {name!r}"))
 
 
-def reward_needs(name: str) -> frozenset[Need]:
-    """What reward `name` reads from a batch, known without building it (no OCR engine or
-    server is started): a plugin's `needs`, or the `needs` of the class a built-in's builder
-    returns."""
+def reward_needs(name: str, section: RewardSection | None = None) -> frozenset[Need]:
+    """What reward `name` reads from a batch under the [reward] table `section` (its defaults
+    when None), known without building it (no OCR engine, model or server is started): a
+    plugin's `needs`; for a built-in, what the `configured_needs(section)` classmethod of the
+    class its builder returns says (a reward whose needs are settings: `remote`, `vlm`), else
+    that class's `needs`."""
+    section = section if section is not None else RewardSection()
     builder = resolve(name)
     if ":" in name:
-        return builder(RewardSection()).needs
+        return builder(section).needs
     returned = builder.__annotations__["return"]  # a name: `from __future__ import annotations`
     module = sys.modules[builder.__module__]
     # cast: the annotation names the Reward class the builder returns, found in its module.
     reward_class = cast("type[Reward]", getattr(module, returned, returned))
-    return reward_class.needs
+    configured = getattr(reward_class, "configured_needs", None)
+    return configured(section) if configured is not None else reward_class.needs
 
 
-def reward_needing(names: Iterable[str], need: Need) -> str | None:
+def reward_needing(
+    names: Iterable[str], need: Need, section: RewardSection | None = None
+) -> str | None:
     """The first of the rewards `names` that reads `need` (e.g. ground truths, the OCR
-    targets), or None."""
-    return next((name for name in names if need in reward_needs(name)), None)
+    targets) under the [reward] table `section`, or None."""
+    return next((name for name in names if need in reward_needs(name, section)), None)

@@ -6,11 +6,15 @@ at most `batch_size` images:
     request  {"images": ["<base64 PNG>", ...],
               "prompts": ["...", ...],
               "ground_truths": ["..." or null, ...],     # null: not known
-              "metadata": [{"sample_id": ..., "group_id": ..., ...}, ...]}
+              "metadata": [{"sample_id": ..., "group_id": ..., ...}, ...],
+              "source_images": ["<base64 PNG>", ...]}    # an editing data set's only
     response {"scores": [0.73, ...],                    # one finite number per image
               "errors": [null, "why image 2 failed", ...]}   # optional
 
-Every list has one entry per image, in order. A per-image failure is reported through
+Every list has one entry per image, in order. `source_images[i]` is the image that image i's
+prompt edits (RGB, at the data set's size), sent only when the batch has them: a
+text-to-image request is the same bytes as before the field existed. A server that needs them
+says so to the trainer through `[reward.remote] needs`. A per-image failure is reported through
 `errors` (its score is then ignored, null is fine); a null score with no message, or a score
 that is not a finite number, becomes an error for that image only. A reply that is not this
 shape (not JSON, no `scores`, the wrong number of entries) or an HTTP error is a FlowGrpoError
@@ -28,7 +32,7 @@ import base64
 import io
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 from PIL import Image
 
@@ -61,7 +65,19 @@ def encode_request(batch: RewardBatch) -> bytes:
         "ground_truths": batch.ground_truths or [None] * len(batch),
         "metadata": batch.metadata or [{}] * len(batch),
     }
+    if batch.source_images is not None:  # only then: text-to-image requests stay as they were
+        payload["source_images"] = _encode_each_once(batch.source_images)
     return json.dumps(payload, default=_json_value).encode("utf-8")
+
+
+def _encode_each_once(images: list[Image.Image]) -> list[str]:
+    """Base64 PNGs of `images`, each distinct image object encoded once (a group's images
+    share their prompt's source image)."""
+    encoded: dict[int, str] = {}
+    for image in images:
+        if id(image) not in encoded:
+            encoded[id(image)] = encode_png(image)
+    return [encoded[id(image)] for image in images]
 
 
 def decode_reply(raw: bytes, count: int, where: str) -> list[ImageScore]:
@@ -102,7 +118,13 @@ class RemoteReward:
 
     def __init__(self, options: RemoteRewardSection) -> None:
         self.options = options
+        self.needs = _needs(options)
         self._poster = JsonPoster(options.url, options)
+
+    @classmethod
+    def configured_needs(cls, section: RewardSection) -> frozenset[Need]:
+        """What it reads under [reward] `section`: its own needs and the server's (`needs`)."""
+        return _needs(section.remote)
 
     def score(self, batch: RewardBatch) -> RewardOutput:
         """Scores of `batch`, in requests of batch_size images; all of them together, retries
@@ -124,6 +146,11 @@ class RemoteReward:
 
     def close(self) -> None:
         """Nothing to release: each request opens and closes its own connection."""
+
+
+def _needs(options: RemoteRewardSection) -> frozenset[Need]:
+    # cast: the config's check allows only names of REMOTE_NEEDS, each a Need.
+    return RemoteReward.needs | frozenset(cast("list[Need]", options.needs))
 
 
 def build_remote(section: RewardSection) -> RemoteReward:

@@ -21,9 +21,13 @@ models run on other machines or GPUs and the trainer's `remote` reward talks to 
 - Requests are untrusted and bounded (`Limits`, each a `serve-reward` option): the body is
   read as it streams in and refused with 413 once past `max_request_mb` (a declared
   Content-Length over it is refused before reading anything); more than `max_images` images,
-  an image whose header declares more than `max_image_pixels` pixels (checked before it is
-  decoded: a decompression bomb never is), and JSON nested deeper than `max_json_depth` are
-  400, each naming the option. A client that hangs up mid-body is one log line.
+  an image (or source image) whose header declares more than `max_image_pixels` pixels
+  (checked before it is decoded: a decompression bomb never is), and JSON nested deeper than
+  `max_json_depth` are 400, each naming the option. A client that hangs up mid-body is one
+  log line.
+- `source_images` (an editing data set's, one per image) is optional; a served reward that
+  needs them (a plugin whose `needs` holds "source_images") gets a 400 naming the field when a
+  request lacks them.
 """
 
 from __future__ import annotations
@@ -106,8 +110,33 @@ def parse_batch(body: Any, limits: Limits | None = None) -> RewardBatch:
         if value is not None:
             _check_entries(key, value)
         lists[key] = value
-    decoded = [_decode_image(index, text, limits) for index, text in enumerate(images)]
-    return RewardBatch(decoded, lists["prompts"], lists["ground_truths"], lists["metadata"])
+    decoded = [_decode_image(f"images[{i}]", text, limits) for i, text in enumerate(images)]
+    sources = body.get("source_images")
+    if sources is not None and (not isinstance(sources, list) or len(sources) != count):
+        raise BadRequest(
+            f"`source_images` must be a list with one base64 image per image ({count})"
+        )
+    return RewardBatch(
+        decoded,
+        lists["prompts"],
+        lists["ground_truths"],
+        lists["metadata"],
+        _decode_sources(sources, limits) if sources is not None else None,
+    )
+
+
+def _decode_sources(sources: list, limits: Limits) -> list[Image.Image]:
+    """The `source_images` of a request, each distinct one decoded once (a group's images
+    share their prompt's source), under the limits of `images`."""
+    decoded: dict[str, Image.Image] = {}
+    out = []
+    for index, text in enumerate(sources):
+        if not isinstance(text, str):
+            raise BadRequest(f"source_images[{index}] is not a base64-encoded image")
+        if text not in decoded:
+            decoded[text] = _decode_image(f"source_images[{index}]", text, limits)
+        out.append(decoded[text])
+    return out
 
 
 def _check_entries(key: str, values: list) -> None:
@@ -121,10 +150,10 @@ def _check_entries(key: str, values: list) -> None:
             raise BadRequest(f"`{key}[{index}]` must be {what}, got {type(value).__name__}")
 
 
-def _decode_image(index: int, text: object, limits: Limits) -> Image.Image:
-    """Image `index` of a request, refused before decoding when its header declares more
-    than the pixel limit (a decompression bomb is a few hundred bytes of PNG)."""
-    where = f"images[{index}]"
+def _decode_image(where: str, text: object, limits: Limits) -> Image.Image:
+    """The image at `where` in a request (`images[3]`), refused before decoding when its
+    header declares more than the pixel limit (a decompression bomb is a few hundred bytes
+    of PNG)."""
     try:
         data = base64.b64decode(text, validate=True)  # type: ignore[arg-type]
     except (TypeError, ValueError, binascii.Error):
@@ -238,11 +267,13 @@ class BatchingScorer:
         return await asyncio.to_thread(self.rewards.score, batch)
 
 
+_OPTIONAL_COLUMNS = ("prompts", "ground_truths", "metadata", "source_images")
+
+
 def _same_columns(a: RewardBatch, b: RewardBatch) -> bool:
     """Whether two batches carry the same optional columns, so they can be joined."""
     return all(
-        (getattr(a, name) is None) == (getattr(b, name) is None)
-        for name in ("prompts", "ground_truths", "metadata")
+        (getattr(a, name) is None) == (getattr(b, name) is None) for name in _OPTIONAL_COLUMNS
     )
 
 
@@ -253,7 +284,7 @@ def _merged(batches: list[RewardBatch]) -> RewardBatch:
         return [item for batch in batches for item in getattr(batch, name)]
 
     images = [image for batch in batches for image in batch.images]
-    return RewardBatch(images, joined("prompts"), joined("ground_truths"), joined("metadata"))
+    return RewardBatch(images, **{name: joined(name) for name in _OPTIONAL_COLUMNS})
 
 
 def build_app(scorer: BatchingScorer, limits: Limits | None = None):  # -> Starlette

@@ -361,6 +361,18 @@ def _remote_url(v: str) -> str | None:
     return f"is refused: {problem}" if problem else None
 
 
+# What a `remote` server may say it needs beyond the images and prompts every request holds
+# (rewards/base.py's `Need`): a target text, a GenEval record, a source image per image.
+REMOTE_NEEDS = ("ground_truths", "geneval", "source_images")
+
+
+def _remote_needs(v: list[str]) -> str | None:
+    unknown = [need for need in v if need not in REMOTE_NEEDS]
+    if unknown:
+        return f"names {unknown[0]!r}: expected any of {', '.join(REMOTE_NEEDS)}"
+    return None
+
+
 @dataclass
 class HttpRewardSection(_CheckedSection):
     """How a reward that asks an HTTP server waits and retries (rewards/transport.py): the
@@ -407,6 +419,14 @@ class RemoteRewardSection(HttpRewardSection):
         check=_remote_url,
     )
     batch_size: int = _option(16, "Images per request.", check=_at_least(1))
+    needs: list[str] = _option(
+        [],
+        "What the server needs besides images and prompts: any of "
+        + ", ".join(REMOTE_NEEDS)
+        + "; prepare then refuses prompts without them, as for a plugin's `needs`.",
+        check=_remote_needs,
+        used_when=lambda remote: bool(remote.needs),
+    )
 
 
 TEMPLATE_FIELDS = ("prompt", "ground_truth")
