@@ -203,6 +203,8 @@ def test_mixed_rows_name_the_first_prompt_without_an_image(tmp_path):
         ("similarity:score", []),
         ("remote", ["reward.remote.url=http://scorer:8000/score",
                     'reward.remote.needs=["source_images"]']),
+        ("vlm", ["reward.vlm.url=http://judge:8000", "reward.vlm.model=judge",
+                 "reward.vlm.with_source_image=true"]),
     ],
 )  # fmt: skip
 def test_a_reward_that_reads_source_images_refuses_a_text_data_set(tmp_path, name, settings):

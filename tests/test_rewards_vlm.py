@@ -131,7 +131,18 @@ def judge(url: str, **options: Any) -> VlmReward:
 
 
 def text_of(request: dict) -> str:
-    return request["messages"][0]["content"][1]["text"]
+    return request["messages"][0]["content"][-1]["text"]
+
+
+def sent_images(request: dict) -> list[Image.Image]:
+    """The images of a request's message, in order, decoded from their PNG data URLs."""
+    out = []
+    for part in request["messages"][0]["content"][:-1]:
+        assert part["type"] == "image_url"
+        prefix, data = part["image_url"]["url"].split(",", 1)
+        assert prefix == "data:image/png;base64"
+        out.append(Image.open(io.BytesIO(base64.b64decode(data))))
+    return out
 
 
 def by_prompt(replies: dict[str, Any]) -> Callable[[dict], Any]:
@@ -317,6 +328,61 @@ def test_an_image_without_a_target_fails_and_is_not_sent(server):
     assert len(behaviour.requests) == 1
 
 
+COMPARE = (
+    "The first image is the original, the second the result of the edit '{prompt}'. "
+    "Is everything the edit does not ask for unchanged? Score 0-10."
+)
+
+
+def edits(prompts: list[str]) -> RewardBatch:
+    """`batch(prompts)` with a source image per image, each of another size than its result."""
+    plain = batch(prompts)
+    sources = [image(10 + i).resize((6 + i, 5)) for i in range(len(prompts))]
+    return RewardBatch(plain.images, plain.prompts, plain.ground_truths, plain.metadata, sources)
+
+
+def test_with_source_image_sends_the_source_first_and_the_result_second(server):
+    url, behaviour = server
+    behaviour.answer = by_prompt({"'sky'": completion("2"), "'cat'": completion("9")})
+    reward = judge(url, with_source_image=True, template=COMPARE)
+    assert reward.needs == {"images", "prompts", "source_images"}
+    chunk = edits(["sky", "cat"])
+    result = reward.score(chunk)
+    assert [score.value for score in result.scores] == [pytest.approx(0.2), pytest.approx(0.9)]
+    for request in behaviour.requests:
+        index = 0 if "'sky'" in text_of(request) else 1
+        source, edited = sent_images(request)
+        assert source.format == edited.format == "PNG"
+        assert source.size == chunk.source_images[index].size  # as the data set gave it
+        assert source.convert("RGB").tobytes() == chunk.source_images[index].tobytes()
+        assert edited.convert("RGB").tobytes() == chunk.images[index].tobytes()
+        assert text_of(request).startswith("The first image is the original")
+    # Without the option the same batch sends the result alone, as before.
+    behaviour.requests.clear()
+    judge(url, template=COMPARE).score(edits(["sky"]))
+    (alone,) = sent_images(behaviour.requests[0])
+    assert alone.convert("RGB").tobytes() == image(0).tobytes()
+
+
+def test_with_source_image_needs_an_editing_data_set_and_its_own_template(server):
+    from flowgrpo_cli.rewards.registry import reward_needs
+
+    url, _ = server
+    settings = RewardSection(
+        vlm=VlmRewardSection(url=url, model="judge", with_source_image=True, template=COMPARE)
+    )
+    assert reward_needs("vlm", settings) == {"images", "prompts", "source_images"}
+    assert reward_needs("vlm") == {"images", "prompts"}
+    with (
+        build_rewards({"vlm": 1.0}, settings) as rewards,
+        pytest.raises(FlowGrpoError, match="'vlm' needs source_images"),
+    ):
+        rewards.score(batch(["a text prompt"]))
+    default = RewardSection(vlm=VlmRewardSection(url=url, model="judge", with_source_image=True))
+    with pytest.raises(FlowGrpoError, match="template is the default question about one image"):
+        build_rewards({"vlm": 1.0}, default)
+
+
 def test_chat_url_forms():
     assert chat_url("http://h:8000") == "http://h:8000/v1/chat/completions"
     assert chat_url("http://h:8000/") == "http://h:8000/v1/chat/completions"
@@ -448,6 +514,9 @@ def test_the_vlm_table_leaves_the_hash_of_runs_without_it_alone():
     changed = load_config(None, ["reward.vlm.model=other", "reward.vlm.max_tokens=3"])
     assert config_hash(plain) == config_hash(changed)
     weighted = ["reward.weights={vlm = 1.0}"]
+    off = load_config(None, [*weighted, "reward.vlm.with_source_image=false"])
+    assert config_hash(load_config(None, weighted)) == config_hash(off)  # runs before the key
+    weighted = ["reward.weights={vlm = 1.0}"]
     assert config_hash(load_config(None, weighted)) != config_hash(
         load_config(None, [*weighted, "reward.vlm.max_tokens=3"])
     )
@@ -487,7 +556,7 @@ def test_the_docs_examples_load(tmp_path, monkeypatch):
     """docs/rewards.md's [reward.vlm] examples are valid configs that build the judge."""
     page = (Path(__file__).parents[1] / "docs" / "rewards.md").read_text()
     examples = [b for b in re.findall(r"```toml\n(.*?)```", page, re.S) if "[reward.vlm]" in b]
-    assert len(examples) == 2
+    assert len(examples) == 3
     for number, example in enumerate(examples):
         config = tmp_path / f"example{number}.toml"
         config.write_text(example)

@@ -12,6 +12,10 @@ together), all of a batch's requests, retries and backoff included, within `dead
          {"type": "text", "text": "<the template, filled>"}]}],
      "logprobs": true, "top_logprobs": 20}          # parse = "yes_no" only
 
+With `with_source_image` (an editing data set), the image's source image goes first, in an
+`image_url` part of its own, and the result second, before the text: the template says which
+is which ("the first image is the original, the second the edited result").
+
 The score is read from `choices[0]`:
 
 - parse = "number": the first number of the reply (or the first after the last occurrence of
@@ -48,7 +52,12 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import ImageScore, Need, RewardBatch, RewardOutput
 from flowgrpo_cli.rewards.remote import encode_png
 from flowgrpo_cli.rewards.transport import JsonPoster, excerpt
-from flowgrpo_cli.store.config import RewardSection, VlmRewardSection, template_fields
+from flowgrpo_cli.store.config import (
+    VLM_TEMPLATE,
+    RewardSection,
+    VlmRewardSection,
+    template_fields,
+)
 
 _REPLY_DEPTH = 16  # choices[0].logprobs.content[i].top_logprobs[j].bytes nests 7 deep
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -213,8 +222,16 @@ class VlmReward:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._poster = JsonPoster(self.url, options, headers)
         self._uses_target = "ground_truth" in template_fields(options.template)
-        if self._uses_target:
-            self.needs = VlmReward.needs | {"ground_truths"}
+        # A template's {ground_truth} is a need of the batch's column only: a prompt without a
+        # target fails its image (below), so prepare does not refuse it.
+        target: frozenset[Need] = frozenset({"ground_truths"} if self._uses_target else ())
+        self.needs = _needs(options) | target
+
+    @classmethod
+    def configured_needs(cls, section: RewardSection) -> frozenset[Need]:
+        """What prepare asks of the data under [reward] `section`: source images, with
+        `with_source_image`."""
+        return _needs(section.vlm)
 
     def score(self, batch: RewardBatch) -> RewardOutput:
         """One request per image, `concurrency` in flight, all done by `deadline_s` from now;
@@ -247,21 +264,31 @@ class VlmReward:
         sample = (batch.metadata or [{}] * len(batch))[index].get("sample_id")
         named = f", sample {sample}" if sample is not None else ""
         where = f"vlm reward {self.url} (image {index}{named})"
-        body = self._request(batch.images[index], prompt, target or "")
+        sources = batch.source_images if self.options.with_source_image else None
+        source = sources[index] if sources is not None else None  # RewardSet checks `needs`
+        body = self._request(batch.images[index], prompt, target or "", source)
         reply = read_reply(self._poster.post(body, where, deadline), where)
         if self.options.parse == "number":
             return number_score(reply, self.options), reply.text
         return yes_no_score(reply, self.options, where), reply.text
 
-    def _request(self, image: Image.Image, prompt: str, target: str) -> bytes:
+    def _request(
+        self, image: Image.Image, prompt: str, target: str, source: Image.Image | None = None
+    ) -> bytes:
+        """The chat request for one image: [its source image, if given,] the image, then the
+        filled template."""
         options = self.options
         question = options.template.format(prompt=prompt, ground_truth=target)
+        pictures = [source, image] if source is not None else [image]
+        content: list[dict[str, Any]] = [
+            {"type": "image_url",
+             "image_url": {"url": f"data:image/png;base64,{encode_png(picture)}"}}
+            for picture in pictures
+        ]  # fmt: skip
         payload: dict[str, Any] = {
             "model": options.model,
             "messages": [{"role": "user", "content": [
-                {"type": "image_url",
-                 "image_url": {"url": f"data:image/png;base64,{encode_png(image)}"}},
-                {"type": "text", "text": question},
+                *content, {"type": "text", "text": question}
             ]}],
             "max_tokens": options.max_tokens,
             "temperature": options.temperature,
@@ -278,12 +305,23 @@ class VlmReward:
         """Nothing to release: each request opens and closes its own connection."""
 
 
+def _needs(options: VlmRewardSection) -> frozenset[Need]:
+    source: frozenset[Need] = frozenset({"source_images"} if options.with_source_image else ())
+    return VlmReward.needs | source
+
+
 def build_vlm(section: RewardSection) -> VlmReward:
     options = section.vlm
     if not options.url or not options.model:
         raise FlowGrpoError(
             'reward "vlm" needs a server and a model: set [reward.vlm] url = '
             '"http://host:8000" and model = "the served model name"'
+        )
+    if options.with_source_image and options.template == VLM_TEMPLATE:
+        raise FlowGrpoError(
+            "[reward.vlm] with_source_image = true sends two images, the source first and the "
+            "result second, but [reward.vlm] template is the default question about one "
+            "image: write a template that says which image is which"
         )
     api_key = ""
     if options.api_key_env:

@@ -540,6 +540,13 @@ class VlmRewardSection(HttpRewardSection):
         "1 / 0 instead of stopping.",
         used_when=_parses_yes_no,
     )
+    with_source_image: bool = _option(
+        False,
+        "Send each image's source image (an editing data set) first and the result second, "
+        "in one message, for a template that compares them; prepare then refuses a text data "
+        "set.",
+        used_when=lambda vlm: vlm.with_source_image,
+    )
     max_tokens: int = _option(512, "Most tokens the judge may reply with.", check=_at_least(1))
     temperature: float = _option(0.0, "Sampling temperature of the judge.", check=_at_least(0.0))
     concurrency: int = _option(
