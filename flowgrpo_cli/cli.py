@@ -708,6 +708,13 @@ def reward(
             "`geneval` reward."
         ),
     ] = None,
+    source: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="The source image the images were edited from, for rewards that read one "
+            "(source_similarity, vlm with_source_image): one for all images, or one per image."
+        ),
+    ] = None,
     reward_: RewardOpt = None,
     config: RewardConfigOpt = None,
     set_: SetOpt = None,
@@ -728,7 +735,8 @@ def reward(
         assert records is not None
         prompt = [record["prompt"] for record in records]
     prompts = prompt * len(images) if len(prompt) == 1 else prompt
-    result = score_image_files(images, prompts, section, records)
+    sources = source * len(images) if source and len(source) == 1 else source
+    result = score_image_files(images, prompts, section, records, sources)
     render_reward_table(console, images, result)
 
 

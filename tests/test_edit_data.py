@@ -201,6 +201,7 @@ def test_mixed_rows_name_the_first_prompt_without_an_image(tmp_path):
     ("name", "settings"),
     [
         ("similarity:score", []),
+        ("source_similarity", []),
         ("remote", ["reward.remote.url=http://scorer:8000/score",
                     'reward.remote.needs=["source_images"]']),
         ("vlm", ["reward.vlm.url=http://judge:8000", "reward.vlm.model=judge",

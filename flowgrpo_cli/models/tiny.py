@@ -432,6 +432,32 @@ def build_tiny_clip(out_dir: Path, *, seed: int = 0, projection_dim: int = 16) -
     return out_dir
 
 
+def build_tiny_dinov2(out_dir: Path, *, seed: int = 0, image_size: int = 32) -> Path:
+    """A tiny random Dinov2Model and its image processor, saved as facebook/dinov2-base is
+    (config, safetensors, a BitImageProcessor config: resize the shorter side, centre crop,
+    ImageNet mean and std): what `source_similarity` loads with backbone = "dino"."""
+    from transformers import BitImageProcessor, Dinov2Config, Dinov2Model
+
+    from flowgrpo_cli.loading import quiet_loading
+
+    quiet_loading()  # the processor's torchvision fallback warning
+    config = Dinov2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+        image_size=image_size, patch_size=8,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Dinov2Model(config)
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor = BitImageProcessor(
+        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size},
+        image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225], do_convert_rgb=True,
+    )  # fmt: skip
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
 def save_tiny_aesthetic_head(path: Path, embedding_dim: int, *, seed: int = 0) -> Path:
     """A random aesthetic predictor for `embedding_dim`-wide CLIP embeddings, saved as the
     released one is (torch.save of the MLP's state dict, keys `layers.N.weight`)."""

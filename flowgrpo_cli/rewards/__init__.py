@@ -1,8 +1,9 @@
 """Rewards for generated images: named in the config with weights, scored per image.
 
 Built in: `ocr`, `jpeg_compressibility`, `jpeg_incompressibility`, `remote`, the `vlm`
-judge, and the CLIP models `pickscore`, `clipscore`, `aesthetic`; any other name of the form
-`module:function` is a plugin. Importing this package loads no OCR engine and no torch: each
+judge, the CLIP models `pickscore`, `clipscore`, `aesthetic`, `hpsv2`, `geneval`, and, for
+editing data sets, `source_similarity`; any other name of the form `module:function` is a
+plugin. Importing this package loads no OCR engine and no torch: each
 reward's module is imported when it is built (see registry.py).
 """
 

@@ -18,13 +18,19 @@ float16 model changes the embeddings, not the precision of the score arithmetic.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from PIL import Image
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.rewards.base import ImageScore, Need, RewardBatch, RewardOutput
-from flowgrpo_cli.rewards.hub import load_pretrained, resolve_file, resolve_folder
+from flowgrpo_cli.rewards.hub import (
+    check_model_type,
+    load_pretrained,
+    resolve_file,
+    resolve_folder,
+)
 from flowgrpo_cli.store.config import RewardSection
 
 if TYPE_CHECKING:
@@ -60,6 +66,7 @@ class ClipModel:
         self.device, self.dtype = reward_device_and_dtype(options)
         self.batch_size = options.batch_size
         self.model_source = resolve_folder(*source, "config.json", f"[{key}] {field}")
+        check_model_type(self.model_source, "clip", f"[{key}] {field}")
         self.processor_source = (
             resolve_folder(*processor, "preprocessor_config.json", f"[{key}] processor")
             if processor != source
@@ -75,15 +82,12 @@ class ClipModel:
 
     def image_embeddings(self, images: list[Image.Image]) -> torch.Tensor:
         """float32 [N, D], each row of norm 1."""
-        import torch
+        return embed_in_batches(images, self.batch_size, self._image_features)
 
-        parts = []
-        for start in range(0, len(images), self.batch_size):
-            pixels = self.pixels(images[start : start + self.batch_size])
-            with torch.inference_mode():
-                out = self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))
-            parts.append(_normalized(out.pooler_output))
-        return torch.cat(parts)
+    def _image_features(self, images: list[Image.Image]) -> torch.Tensor:
+        pixels = self.pixels(images)
+        out = self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))
+        return out.pooler_output
 
     def pixels(self, images: list[Image.Image]) -> torch.Tensor:
         """[N, 3, H, W] float32: the model's processor on the RGB images."""
@@ -131,6 +135,22 @@ def reward_device_and_dtype(options: RewardSection) -> tuple[torch.device, torch
     if options.dtype == "auto":
         return device, torch.float16 if device.type == "cuda" else torch.float32
     return device, getattr(torch, options.dtype)  # a name the config's Literal checked
+
+
+def embed_in_batches(
+    images: list[Image.Image],
+    batch_size: int,
+    embed: Callable[[list[Image.Image]], torch.Tensor],
+) -> torch.Tensor:
+    """float32 [N, D], each row of norm 1: `embed` ([n, D] features of n images, any dtype)
+    on `batch_size` images at a time, without autograd."""
+    import torch
+
+    parts = []
+    for start in range(0, len(images), batch_size):
+        with torch.inference_mode():
+            parts.append(_normalized(embed(images[start : start + batch_size])))
+    return torch.cat(parts)
 
 
 def _normalized(embeddings: torch.Tensor) -> torch.Tensor:

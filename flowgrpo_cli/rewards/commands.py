@@ -75,10 +75,12 @@ def score_image_files(
     prompts: Sequence[str],
     section: RewardSection,
     records: Sequence[dict[str, Any]] | None = None,
+    sources: Sequence[Path] | None = None,
 ) -> ScoreResult:
     """Score image files against their prompts (one each) with the rewards of a config's
     [reward] table; the OCR target is the prompt's first quoted span, `records` the images'
-    GenEval records (one each), if given.
+    GenEval records (one each), `sources` the files of the images' source images (one each;
+    read as `prepare` reads an editing data set's), if given.
     `result.details["ocr"]["text"]` holds what OCR read."""
     if len(prompts) != len(paths):
         raise FlowGrpoError(
@@ -88,6 +90,11 @@ def score_image_files(
         raise FlowGrpoError(
             f"{len(records)} GenEval record(s) for {len(paths)} image(s): give one record per "
             "image, or one for all"
+        )
+    if sources is not None and len(sources) != len(paths):
+        raise FlowGrpoError(
+            f"{len(sources)} --source image(s) for {len(paths)} image(s): give one source image "
+            "per image, or one for all"
         )
     metadata: list[dict[str, Any]] = [{"sample_id": str(path)} for path in paths]
     if records is not None:
@@ -99,6 +106,7 @@ def score_image_files(
         prompts=list(prompts),
         ground_truths=[extract_target(prompt) for prompt in prompts],
         metadata=metadata,
+        source_images=_load_sources(sources) if sources else None,
     )
     with build_rewards_from_config(section) as rewards:
         return rewards.score(batch)
@@ -118,6 +126,23 @@ def read_geneval_records(path: Path) -> list[dict[str, Any]]:
     if not parsed.rows:
         raise FlowGrpoError(f"{path}: no GenEval records")
     return [json.loads(row.geneval) for row in parsed.rows if row.geneval is not None]
+
+
+def _load_sources(paths: Sequence[Path]) -> list[Image.Image]:
+    """Source image files as `prepare` keeps an editing data set's (upright, RGB; the default
+    data.max_image_pixels), each distinct file read once."""
+    from flowgrpo_cli.store.config import MAX_IMAGE_PIXELS
+    from flowgrpo_cli.store.source_images import decode_source_image, load_source_image
+
+    loaded: dict[Path, Image.Image] = {}
+    for path in paths:
+        if path not in loaded:
+            try:
+                png = load_source_image(Path(path), MAX_IMAGE_PIXELS).png
+            except FlowGrpoError as err:
+                raise FlowGrpoError(f"--source: {err}") from None
+            loaded[path] = decode_source_image(png)
+    return [loaded[path] for path in paths]
 
 
 def _load(path: Path) -> Image.Image:

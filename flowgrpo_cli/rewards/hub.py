@@ -97,3 +97,22 @@ def load_pretrained(cls: Any, source: ResolvedSource, **kwargs: Any) -> Any:
         return cls.from_pretrained(source.location, revision=source.commit or "main", **kwargs)
     except OSError as err:
         raise FlowGrpoError(f"{source.record}: cannot load {cls.__name__}: {err}") from None
+
+
+def check_model_type(source: ResolvedSource, model_type: str, key: str) -> None:
+    """FlowGrpoError naming `key` unless the config.json of `source` is of `model_type`
+    ("clip", "dinov2"): from_pretrained of another model's folder would load with random
+    weights wherever the names differ, and score noise without a word."""
+    from transformers import AutoConfig
+
+    try:
+        found = load_pretrained(AutoConfig, source).model_type
+    except (FlowGrpoError, ValueError) as err:  # ValueError: a model_type transformers lacks
+        raise FlowGrpoError(
+            f"{key} = {source.record!r}: cannot read its config.json as a {model_type!r} "
+            f"model's: {' '.join(str(err).split())[:300]}"
+        ) from None
+    if found != model_type:
+        raise FlowGrpoError(
+            f"{key} = {source.record!r}: its config.json is a {found!r} model, not {model_type!r}"
+        )

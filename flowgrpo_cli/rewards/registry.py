@@ -28,6 +28,7 @@ _BUILDERS: dict[str, str] = {
     "vlm": "flowgrpo_cli.rewards.vlm:build_vlm",
     "hpsv2": "flowgrpo_cli.rewards.hps:build_hpsv2",
     "geneval": "flowgrpo_cli.rewards.geneval:build_geneval",
+    "source_similarity": "flowgrpo_cli.rewards.source_similarity:build_source_similarity",
 }
 REWARD_NAMES = tuple(_BUILDERS)
 

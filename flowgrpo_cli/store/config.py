@@ -672,8 +672,35 @@ class GenEvalSection(_CheckedSection):
     )
 
 
+# `source_similarity`'s image encoders: DINOv2 ViT-B/14 (DINOv2's own image-similarity
+# features) and OpenAI's CLIP ViT-L/14 (CLIP-I, as `clipscore` loads it).
+SOURCE_SIMILARITY_MODELS = {
+    "dino": "facebook/dinov2-base",
+    "clip": "openai/clip-vit-large-patch14",
+}
+
+
+@dataclass
+class SourceSimilaritySection(_CheckedSection):
+    TABLE = "reward.source_similarity"
+
+    backbone: Literal["dino", "clip"] = _option(
+        "dino",
+        "The image encoder whose embeddings are compared: dino (DINOv2, its final CLS "
+        "feature) or clip (CLIP's projected image embedding: CLIP-I).",
+    )
+    model: str = _option(
+        "",
+        'The encoder: a hub id or a local folder of the backbone\'s kind; "" = its released '
+        "model (dino: facebook/dinov2-base, clip: openai/clip-vit-large-patch14).",
+        path="hub",
+    )
+    revision: str = _option("main", _HUB_REVISION)
+
+
 def _uses_model_reward(section: Any) -> bool:
-    return any(name in section.weights for name in (*MODEL_REWARDS, "geneval"))
+    models = (*MODEL_REWARDS, "geneval", "source_similarity")
+    return any(name in section.weights for name in models)
 
 
 def _reward_table(name: str, cls: type) -> Any:
@@ -715,8 +742,8 @@ class RewardSection(_CheckedSection):
     )
     device: str = _option(
         "auto",
-        "Device of the model rewards (pickscore, clipscore, aesthetic, hpsv2, geneval): auto "
-        "(this rank's GPU, else the CPU), cpu, cuda, cuda:N.",
+        "Device of the model rewards (pickscore, clipscore, aesthetic, hpsv2, geneval, "
+        "source_similarity): auto (this rank's GPU, else the CPU), cpu, cuda, cuda:N.",
         affects_results=False,
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = _option(
@@ -736,6 +763,9 @@ class RewardSection(_CheckedSection):
     vlm: VlmRewardSection = _reward_table("vlm", VlmRewardSection)
     hpsv2: HpsV2Section = _reward_table("hpsv2", HpsV2Section)
     geneval: GenEvalSection = _reward_table("geneval", GenEvalSection)
+    source_similarity: SourceSimilaritySection = _reward_table(
+        "source_similarity", SourceSimilaritySection
+    )
 
 
 def _anchor_decay(v: list[float]) -> str | None:
