@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -273,6 +274,54 @@ def test_two_loop_iterations_on_the_edit_model_reward_each_result_against_its_so
     assert [row["prompt"] for row in evaluated] == EDITS[:2]
     for row in evaluated:
         assert row["similarity:score"] == pytest.approx(expected(row, tmp_path), 1e-12)
+
+
+@pytest.mark.slow
+def test_two_loop_iterations_on_the_edit_model_with_source_similarity(make_run, tmp_path):
+    """The built-in edit-consistency reward on a tiny random DINOv2: 2 iterations of 2 prompts
+    x 2 images train, and every recorded score is the cosine of the saved image and its
+    prompt's source file, worked out again here from the encoder's own features."""
+    from transformers import AutoImageProcessor, Dinov2Model
+
+    from flowgrpo_cli.models.tiny import build_tiny_dinov2
+    from flowgrpo_cli.store.rundir import ROLLOUT, SCORE, read_manifest
+    from flowgrpo_cli.store.trajectory import read_table
+
+    dino = build_tiny_dinov2(tmp_path / "dino")
+    train = edit_jsonl(tmp_path)
+    _, run = make_run(
+        f"data.train={train}", f"data.test={train}", "sampler.guidance_scale=1.0",
+        "reward.weights={source_similarity = 1.0}", 'reward.device="cpu"',
+        f'reward.source_similarity.model="{dino}"', family="qwenimage_edit",
+    )  # fmt: skip
+    result = runner.invoke(app, ["loop", "--run", str(run.root), "-n", "2"])
+    assert result.exit_code == 0, result.output
+    assert (run.checkpoint_dir(1) / "manifest.json").is_file()
+
+    model = Dinov2Model.from_pretrained(dino).eval()
+    processor = AutoImageProcessor.from_pretrained(dino)
+
+    def cls(image: Image.Image) -> np.ndarray:
+        with torch.no_grad():
+            out = model(**processor(images=[image.convert("RGB")], return_tensors="pt"))
+        return out.pooler_output[0].double().numpy()
+
+    for iteration in (0, 1):
+        folder = run.stage_dir(iteration, ROLLOUT)
+        rollout = read_table(sorted(folder.glob("part-*.arrow")), ["sample_id", "prompt", "image"])
+        scores = read_table(
+            sorted(run.stage_dir(iteration, SCORE).glob("part-*.arrow")),
+            ["sample_id", "source_similarity"],
+        ).to_pylist()
+        recorded = {row["sample_id"]: row["source_similarity"] for row in scores}
+        assert len(recorded) == 4
+        for row in rollout.to_pylist():
+            a = cls(Image.open(io.BytesIO(row["image"])))
+            b = cls(Image.open(tmp_path / f"images/{EDITS.index(row['prompt'])}.png"))
+            cosine = a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+            assert recorded[row["sample_id"]] == pytest.approx(cosine, abs=1e-5)
+    info = read_manifest(run.stage_dir(1, SCORE))["reward_info"]["source_similarity"]
+    assert (info["backbone"], info["model"]) == ("dino", str(dino))
 
 
 def test_the_wrong_family_for_the_data_stops_the_rollout(make_run, tmp_path):
