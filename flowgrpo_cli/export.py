@@ -4,7 +4,8 @@ A LoRA run exports its adapter as a folder `pipe.load_lora_weights(folder)` read
 the checkpoint already holds, with rank and alpha in its metadata); `merged` exports a whole
 pipeline folder with the weights fused in, which `DiffusionPipeline.from_pretrained` loads with
 no LoRA step; a full fine-tuning run always exports the whole pipeline (it has no adapter).
-Both carry a model card (README.md) and the run's config. The folder is written beside OUT and
+Both carry a model card (README.md) and the run's config; an editing run's also carry the
+source image the card's code edits. The folder is written beside OUT and
 renamed into place at the end, so a failed or killed export leaves no half-written model (the
 next export to the same OUT deletes what a killed one left beside it). It
 takes no lock (finished checkpoints are never rewritten), so a run exports while it trains.
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.model_card import CONFIG_COPY, model_card
+from flowgrpo_cli.model_card import CONFIG_COPY, card_files, model_card
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.rundir import RunDir, read_manifest, verify_part, verify_stage
 
@@ -80,6 +81,8 @@ def export_checkpoint(
         shutil.copyfile(run.config_path, staging / CONFIG_COPY)
         card = model_card(config, run, number, ema=ema, merged=merged, command=command)
         (staging / "README.md").write_text(card)
+        for name, data in card_files(config, run).items():  # the source image its code edits
+            (staging / name).write_bytes(data)
         (staging / _STAGING_MARK).unlink()
         staging.rename(out)
     except BaseException:
@@ -161,7 +164,8 @@ def _write_pipeline(config: Config, weights: Path, folder: Path, dtype: str | No
     from flowgrpo_cli.models import load_adapter
     from flowgrpo_cli.training.policy import DTYPES, LORA_WEIGHTS
 
-    pipeline = load_adapter(config.model.path, dtype=torch.float32, device="cpu").pipeline
+    adapter = load_adapter(config.model.path, dtype=torch.float32, device="cpu")
+    pipeline = adapter.pipeline
     if weights.name == LORA_WEIGHTS:
         # Through diffusers' own loader, as a user would: it reads rank and alpha from the file.
         pipeline.load_lora_weights(str(weights.parent))
@@ -172,7 +176,7 @@ def _write_pipeline(config: Config, weights: Path, folder: Path, dtype: str | No
 
         _load_transformer(pipeline.transformer, load_file(weights), weights)
     pipeline.to(DTYPES[dtype or config.model.dtype])
-    pipeline.save_pretrained(folder)
+    adapter.save_pretrained(folder)  # as the base's folder reads (the edit family's processor)
 
 
 def _load_transformer(

@@ -1,6 +1,8 @@
 """The model card (README.md) of an exported folder: what the weights are, how they were trained
 and evaluated, and everything needed to redraw an evaluation image in plain diffusers (base
-model, sampler settings, the seed rule and the initial noise), with no absolute local path."""
+model, sampler settings, the seed rule and the initial noise), with no absolute local path.
+An editing run's card calls the pipeline with `image=` and ships the source image its code
+edits (`card_files`)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,10 @@ def model_card(
     from flowgrpo_cli import __version__
 
     base = BaseModelInfo.read(config.model.path)
-    tags = ["flowgrpo", config.algorithm.name, "text-to-image", "diffusers"]
+    requests = _eval_requests(config, run)
+    edits = _edits(requests)
+    task = "image-to-image" if edits else "text-to-image"
+    tags = ["flowgrpo", config.algorithm.name, task, "diffusers"]
     if not merged:
         tags.append("lora")
     front = ["---", "library_name: diffusers", *base.license_front_matter()]
@@ -57,11 +62,13 @@ def model_card(
         "```python",
         "import torch",
         "from diffusers import DiffusionPipeline",
+        *(["from diffusers.utils import load_image"] if edits else []),
         "",
         *_load_lines(config, base, merged),
+        *_edit_usage_lines(edits),
         "```",
         "",
-        *_reproduce_lines(config, run, iteration, base, ema=ema, merged=merged),
+        *_reproduce_lines(config, run, iteration, base, requests, ema=ema, merged=merged),
         "## Made with",
         "",
         f"`{_shown_command(command)}`" if command else "flowgrpo export",
@@ -70,6 +77,35 @@ def model_card(
         "",
     ]
     return "\n".join(lines)
+
+
+def card_files(config: Config, run: RunDir) -> dict[str, bytes]:
+    """Files the card's code reads, written beside it: an editing run's source image of test
+    prompt 0, the PNG the run stored (`<sample id>-source.png`); none for text-to-image."""
+    requests = _eval_requests(config, run)
+    if not requests or requests[0].source_image is None:
+        return {}
+    return {_source_file(requests[0].sample_id): requests[0].source_image}
+
+
+def _source_file(sample_id: str) -> str:
+    return f"{sample_id}-source.png"
+
+
+def _edits(requests: list[Any]) -> bool:
+    """Whether the run edits source images: its test prompts carry them (an editing data set,
+    which only a family that takes a source image trains on)."""
+    return any(request.source_image is not None for request in requests)
+
+
+def _edit_usage_lines(edits: bool) -> list[str]:
+    if not edits:
+        return []
+    return [
+        "",
+        'source = load_image("photo.png")  # the image to edit',
+        'image = pipe(image=source, prompt="make the sky red").images[0]',
+    ]
 
 
 def _rewards(config: Config) -> str:
@@ -99,7 +135,7 @@ class BaseModelInfo:
     name: str
     local: bool
     family: str | None
-    guidance_embeds: bool | None  # FLUX: the transformer takes the guidance scale as input
+    guidance_embeds: bool | None  # FLUX.1-dev: the transformer takes the guidance scale as input
     latent_channels: int | None
     vae_scale_factor: int | None
     scheduler: str | None
@@ -140,7 +176,7 @@ class BaseModelInfo:
         license = _front_matter_license(readme) if readme else {}
         if "license" not in license and isinstance(index.get("license"), str):
             license = {"license": index["license"]}
-        embeds = transformer.get("guidance_embeds") if family == "flux" and transformer else None
+        embeds = transformer.get("guidance_embeds") if transformer else None
         return cls(
             name=name,
             local=local,
@@ -225,7 +261,14 @@ CARD_SEEDS = 4
 
 
 def _reproduce_lines(
-    config: Config, run: RunDir, iteration: int, base: BaseModelInfo, *, ema: bool, merged: bool
+    config: Config,
+    run: RunDir,
+    iteration: int,
+    base: BaseModelInfo,
+    requests: list[Any],
+    *,
+    ema: bool,
+    merged: bool,
 ) -> list[str]:
     """How the evaluation drew its images, and the plain diffusers code that redraws one.
 
@@ -234,12 +277,12 @@ def _reproduce_lines(
     dpm++2m: the card then says its code takes other steps), with eval.num_steps and
     eval.guidance_scale at model.height x model.width;
     test prompt i's initial noise comes from a CPU generator seeded with
-    derive_seed(run.seed, "eval", i), drawn as the pipelines' prepare_latents draw it."""
+    derive_seed(run.seed, "eval", i), drawn as the pipelines' prepare_latents draw it. An
+    editing run's code hands the pipeline test prompt 0's source image (`card_files`)."""
     from flowgrpo_cli.reporting.render import checkpoint_name, updates
 
     evaluated = iteration + 1
     section = ["## Reproduce an evaluation image", ""]
-    requests = _eval_requests(config, run)
     found = _eval_reward(run, evaluated) is not None
     # Which weights the run evaluates: the eval manifest says, else the config (the loop
     # evaluates the EMA when the run keeps one).
@@ -283,8 +326,8 @@ def _reproduce_lines(
         "latent channels, f the VAE's downscale factor): what diffusers' `prepare_latents` "
         "draws when the pipeline is given that CPU generator"
     )
-    if base.family == "qwenimage":
-        noise += " (Qwen-Image's pipeline draws it as [1, 1, C, h, w]: the same numbers)"
+    if base.family in ("qwenimage", "qwenimage_edit"):
+        noise += " (Qwen-Image's pipelines draw it as [1, 1, C, h, w]: the same numbers)"
     section += [
         "",
         f"- weights exported: {exported} of {checkpoint_name(iteration)}",
@@ -326,17 +369,30 @@ def _reproduce_lines(
         seed = f"seed = {first.seed}  # its seed (seed_i, i = 0)"
     else:
         prompt, seed = 'prompt = "..."  # a test prompt', "seed = ...  # its seed_i"
+    source: list[str] = []
+    if first is not None and first.source_image is not None:
+        name = _source_file(first.sample_id)
+        section += [
+            f"- source image: each test prompt edits its own (data/test.parquet, column "
+            f"`source_image`: the input image made upright RGB PNG); test prompt 0's is "
+            f"`{name}` in this folder. The pipeline resizes it itself, as the evaluation did.",
+            "",
+        ]
+        source = [f'source = Image.open("{name}")  # its source image, a file of this folder']
     section += [
         "```python",
         "import torch",
         "from diffusers import DiffusionPipeline",
+        *(["from PIL import Image"] if source else []),
         "",
         *_load_lines(config, base, merged),
         'pipe.to("cuda" if torch.cuda.is_available() else "cpu")',
         "",
         prompt,
         seed,
+        *source,
         "image = pipe(",
+        *(["    image=source,"] if source else []),
         "    prompt=prompt,",
         *_guidance_arguments(base, guidance, first.negative_prompt if first else ""),
         f"    num_inference_steps={steps},",
@@ -387,9 +443,9 @@ def _noise_shape(base: BaseModelInfo, height: int, width: int) -> str:
 def _guidance_note(base: BaseModelInfo, guidance: float) -> str:
     if guidance <= 1.0:
         return "1: no classifier-free guidance"
-    if base.family == "flux" and base.guidance_embeds:
-        return "FLUX.1-dev's embedded guidance, one forward a step: the pipeline's guidance_scale"
-    if base.family in ("flux", "qwenimage"):
+    if base.guidance_embeds:
+        return "embedded guidance (FLUX.1-dev's), one forward a step: the pipeline's guidance_scale"
+    if base.family not in (None, "sd3"):
         return (
             "true classifier-free guidance against the negative prompt: the pipeline's "
             '`true_cfg_scale`, which needs a `negative_prompt` ("" when the row has none)'
@@ -400,7 +456,9 @@ def _guidance_note(base: BaseModelInfo, guidance: float) -> str:
 
 
 def _guidance_arguments(base: BaseModelInfo, guidance: float, negative: str) -> list[str]:
-    if base.family in ("flux", "qwenimage") and not base.guidance_embeds:
+    """The pipeline's guidance arguments: SD3's guidance_scale, a transformer's embedded
+    guidance (FLUX.1-dev), else true CFG (`true_cfg_scale`, FLUX and the Qwen-Image families)."""
+    if base.family not in (None, "sd3") and not base.guidance_embeds:
         if guidance <= 1.0:
             return []
         return [f"    true_cfg_scale={guidance!r},", f"    negative_prompt={negative!r},"]

@@ -21,6 +21,22 @@ from flowgrpo_cli.training.policy import checkpoint_for, load_policy, load_weigh
 from flowgrpo_cli.training.trainer import Trainer
 
 
+@contextmanager
+def small_edit_sources(area: int = 64 * 64) -> Iterator[None]:
+    """The edit family resizes source images to about `area` pixels instead of its pipeline's
+    1 MP, in this process, for the duration: for tests of what does not depend on the source's
+    size (training, resuming, sharding, export's weights). At 1 MP the tiny model's VAE takes
+    about 4 s a source image on one core and every forward carries 4,144 source tokens;
+    tests/test_qwenimage_edit.py and test_edit_data's loop run the real size."""
+    import pytest
+
+    from flowgrpo_cli.models import qwenimage_edit
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qwenimage_edit, "SOURCE_AREA", area)
+        yield
+
+
 def policy_for(config, run, iteration: int = 0):
     policy = load_policy(config, torch.device("cpu"))
     checkpoint = checkpoint_for(run, iteration)

@@ -3,9 +3,11 @@
 A user takes away checkpoints/iter-N and loads it with `pipe.load_lora_weights(folder)` (the
 EMA weights from `folder / "ema"`). These tests train a LoRA with alpha != r for a few optimizer
 steps on each family's tiny pipeline, load the checkpoint the way a user does, and compare the
-transformer's output and the noise-0 image with the policy that was trained.
+transformer's output and the noise-0 image with the policy that was trained. An editing run's
+export is loaded into QwenImageEditPipeline and makes the policy's edit of a source image.
 """
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import do_iteration, policy_for
+from helpers import do_iteration, policy_for, small_edit_sources
 
 from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.sampling import sample_batch
@@ -251,3 +253,113 @@ def test_a_run_starts_from_an_existing_lora(make_run, tmp_path):
         bad, bad_run = make_run(*overrides, f"model.init_lora={missing}", name="bad")
         with pytest.raises(FlowGrpoError, match=re.escape(message)):
             policy_for(bad, bad_run)
+
+
+# ---------------------------------------------------------------------------------------------
+# An editing run's export: QwenImageEditPipeline with it loaded makes the policy's edit.
+
+
+def load_edit_pipeline(folder, lora=None):
+    """QwenImageEditPipeline as DiffusionPipeline.from_pretrained loads `folder`, its processor
+    handed in image-only (what load_adapter does: this machine's CPU torch has no torchvision,
+    without which transformers will not build the processor's video half)."""
+    from diffusers import DiffusionPipeline
+
+    from flowgrpo_cli.models.qwenimage_edit import load_processor
+
+    pipe = DiffusionPipeline.from_pretrained(
+        folder, dtype=torch.float32, processor=load_processor(Path(folder) / "processor")
+    )
+    pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(lora)
+    return pipe
+
+
+def card_edit(card: str, pipe, loads: list[str], folder: Path) -> torch.Tensor:
+    """The card's code that redraws test prompt 0's edit, run with `pipe` in place of its
+    loading lines (which must read `loads`) and asked for floats, not 8 bits: [1, 3, H, W]."""
+    code = next(b for b in re.findall(r"^```python\n(.*?)^```$", card, re.S | re.M)
+                if "image = pipe(\n" in b)  # fmt: skip
+    assert [line for line in code.splitlines() if line.startswith("pipe")] == [
+        *loads,
+        'pipe.to("cuda" if torch.cuda.is_available() else "cpu")',
+    ], code
+    kept = [line for line in code.splitlines() if not line.startswith(("pipe", "image.save("))]
+    call = "\n".join(kept).replace(").images[0]", '    output_type="np",\n).images')
+    names = {"pipe": pipe}
+    cwd = Path.cwd()
+    os.chdir(folder)  # the source image is a file of the exported folder
+    try:
+        exec(call, names)
+    finally:
+        os.chdir(cwd)
+    return torch.from_numpy(np.asarray(names["image"])).permute(0, 3, 1, 2)
+
+
+@pytest.mark.slow
+def test_exported_edit_folders_reproduce_the_policys_edit(make_run, tiny_model_dir, tmp_path):
+    """A LoRA trained on the tiny edit model, exported as a LoRA folder and merged: the card's
+    code, with QwenImageEditPipeline loaded from either, redraws the policy's noise-free
+    evaluation edit of test prompt 0 (its source image, its seed, true CFG); the merged folder
+    names transformers' processor and loads through load_adapter too."""
+    from test_edit_data import edit_jsonl
+
+    from flowgrpo_cli.models import load_adapter
+    from flowgrpo_cli.stages.evaluate import evaluation_requests, evaluation_settings
+    from flowgrpo_cli.store.source_images import decode_source_image
+
+    train = edit_jsonl(tmp_path)
+    guidance = 2.0
+    config, run = make_run(
+        f"data.train={train}", f"data.test={train}", "train.lora_rank=4", "train.lora_alpha=12",
+        "train.lr=0.05", "sampler.guidance_scale=1.0", "eval.num_steps=3",
+        f"eval.guidance_scale={guidance}", family="qwenimage_edit",
+    )  # fmt: skip
+    with small_edit_sources():  # the weights trained do not depend on the source's size
+        _, trainer = do_iteration(config, run)
+    policy = trainer.policy
+    request = evaluation_requests(config, run)[0]
+    cond = policy.adapter.encode_prompts(
+        [request.prompt], [request.negative_prompt], guidance_scale=guidance,
+        source_images=[decode_source_image(request.source_image)],
+    )  # fmt: skip
+    settings = evaluation_settings(config)
+    sigmas = policy.adapter.sigmas(3, 64, 64)
+    edit = sample_batch(policy.adapter, cond, [request.seed], settings, sigmas).images
+    with policy.adapters_disabled():
+        base_edit = sample_batch(policy.adapter, cond, [request.seed], settings, sigmas).images
+    assert (edit - base_edit).abs().max().item() > 1e-2  # training moved the edit
+
+    base = tiny_model_dir("qwenimage_edit")
+    load = 'pipe = DiffusionPipeline.from_pretrained("{}", dtype=torch.float32)'
+    lora_lines = [
+        load.format(base.name) + "  # the base model: a local folder, give your copy's path",
+        'pipe.load_lora_weights("THIS_FOLDER_OR_REPO")  # rank and alpha come from the file',
+    ]
+    exports = [
+        ("lora", [], lora_lines),
+        ("merged", ["--merged"], [load.format("THIS_FOLDER_OR_REPO")]),
+    ]
+    for name, options, loads in exports:
+        out = tmp_path / "exports" / name
+        result = export(run, out, *options, "--dtype", "float32")
+        assert result.exit_code == 0, result.output
+        card = (out / "README.md").read_text()
+        assert "- image-to-image" in card and "pipe(image=source, prompt=" in card
+        assert f"    true_cfg_scale={guidance!r},\n    negative_prompt=''," in card
+        # The source image the card's code edits: the one the run stored, shipped beside it.
+        assert (out / f"{request.sample_id}-source.png").read_bytes() == request.source_image
+        pipe = load_edit_pipeline(base, out) if name == "lora" else load_edit_pipeline(out)
+        difference = (card_edit(card, pipe, loads, out) - edit).abs().max().item()
+        assert difference < 1e-4, (name, difference)
+
+    merged = tmp_path / "exports" / "merged"
+    index = (merged / "model_index.json").read_text()
+    assert '"Qwen2VLProcessor"' in index and "flowgrpo" not in index
+    assert "flowgrpo" not in (merged / "processor" / "processor_config.json").read_text()
+    ours = load_adapter(merged, dtype=torch.float32, device="cpu")
+    x = torch.randn(1, *ours.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
+    sigma = torch.full((1,), 0.5)
+    trained = policy.adapter.velocity(x, sigma, cond, guidance_scale=guidance)
+    assert (ours.velocity(x, sigma, cond, guidance_scale=guidance) - trained).abs().max() < 1e-5

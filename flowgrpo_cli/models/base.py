@@ -34,6 +34,8 @@ from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.models.guidance import apply_cfg
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from diffusers.models.modeling_utils import ModelMixin
     from PIL import Image
 
@@ -188,6 +190,11 @@ class ModelAdapter(PipelinePlacement, ABC):
     def transformer(self) -> ModelMixin:
         """The denoiser: the module that gets LoRA and FSDP."""
         return self.pipeline.transformer
+
+    def save_pretrained(self, folder: Path) -> None:
+        """The pipeline as a folder that DiffusionPipeline.from_pretrained and load_adapter
+        both read back: save_pretrained's, and what a family corrects in it."""
+        self.pipeline.save_pretrained(folder, safe_serialization=True)
 
     @property
     @abstractmethod

@@ -17,6 +17,7 @@ with each group and the update reads them back.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,22 @@ def load_processor(folder: Path) -> ImageOnlyQwen2VLProcessor:
     )
 
 
+def name_released_processor(folder: Path) -> None:
+    """Name the processor of a saved pipeline folder as the released checkpoint does
+    (transformers' Qwen2VLProcessor), not as the image-only subclass it was loaded or built
+    as: diffusers then loads the folder with transformers' own class (load_adapter loads the
+    processor itself either way), and nothing in it needs flowgrpo."""
+    index_file = folder / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    config_file = folder / "processor" / "processor_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        config["processor_class"] = "Qwen2VLProcessor"
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 @dataclass(frozen=True)
 class QwenImageEditAdapter(QwenImageAdapter):
     # Not a QwenImagePipeline subclass, but it has every attribute the Qwen-Image pieces use.
@@ -97,6 +114,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
             tensors |= self._encode("negative_prompt", negatives, length, image=images)
         tensors["image_latents"] = torch.cat([self._encode_source(image) for image in images])
         return tensors
+
+    def save_pretrained(self, folder: Path) -> None:
+        super().save_pretrained(folder)
+        name_released_processor(folder)
 
     def resized_source(self, image: Image.Image) -> Image.Image:
         """The source image at the pipeline's size for it: about 1 MP at its aspect ratio."""

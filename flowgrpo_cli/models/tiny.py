@@ -12,7 +12,6 @@ dtype and code path is the real one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -350,21 +349,6 @@ def _build_qwenimage_edit():
     return QwenImageEditPipeline(**components, processor=processor)
 
 
-def _name_released_processor(out_dir: Path) -> None:
-    """Record the edit pipeline's processor as the released checkpoint does (transformers'
-    Qwen2VLProcessor), not as the image-only subclass it was built with, so the folder reads
-    like a real one (load_adapter loads the processor itself either way)."""
-    index_file = out_dir / "model_index.json"
-    index = json.loads(index_file.read_text())
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
-    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    config_file = out_dir / "processor" / "processor_config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
-        config["processor_class"] = "Qwen2VLProcessor"
-        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-
-
 _BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "sd3": lambda: _build_sd3(sd35=False),
     "sd35": lambda: _build_sd3(sd35=True),
@@ -399,7 +383,9 @@ def build_tiny_pipeline(family: str, out_dir: Path, *, seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     pipeline.save_pretrained(out_dir, safe_serialization=True)
     if family == "qwenimage_edit":
-        _name_released_processor(out_dir)
+        from flowgrpo_cli.models.qwenimage_edit import name_released_processor
+
+        name_released_processor(out_dir)
     return out_dir
 
 
