@@ -191,6 +191,25 @@ def test_second_iteration_resumes_from_the_checkpoint(make_run):
     assert result.metrics["update/logprob_gap_max"] < 1e-6
 
 
+def test_moments_of_a_parameter_without_gradient_stay_absent_on_resume(make_run):
+    """Qwen-Image's last block discards its text stream, so that block's to_add_out LoRA gets
+    no gradient and no Adam moments. Resuming from the checkpoint once failed on the missing
+    moments; then it saved zero moments for them. Now a resumed run saves the uninterrupted
+    run's optimizer state, byte for byte."""
+    from flowgrpo_cli.loop import run_loop
+
+    config, straight = make_run("sampler.guidance_scale=1.0", family="qwenimage", name="a")
+    run_loop(config, straight, 2)
+    config, resumed = make_run("sampler.guidance_scale=1.0", family="qwenimage", name="b")
+    run_loop(config, resumed, 1)
+    run_loop(config, resumed, 2)  # from checkpoints/iter-000000, as a new process starts
+    path = straight.checkpoint_dir(1) / "optimizer.safetensors"
+    moments = {key.rsplit(".", 4)[0] for key in load_file(path)}  # state.<block>.attn.<module>
+    assert "state.transformer_blocks.1.attn.to_add_out" not in moments  # the last block's
+    assert "state.transformer_blocks.0.attn.to_add_out" in moments
+    assert (resumed.checkpoint_dir(1) / path.name).read_bytes() == path.read_bytes()
+
+
 def test_checkpoint_into_a_different_model_is_a_clear_error(make_run):
     config, run = make_run()
     do_iteration(config, run)

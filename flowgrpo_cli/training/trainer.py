@@ -281,10 +281,18 @@ class Trainer:
             raise FlowGrpoError(f"{path} is missing: cannot resume the optimizer")
         full = _optimizer_from_file(path)
         self._check_optimizer_state(full, path)
+        # A trained parameter that never had a gradient has no Adam moments, in the file as in
+        # the optimizer that wrote it (Qwen-Image's last block discards its text stream, so
+        # that block's to_add_out LoRA gets none): strict=False. set_optimizer_state_dict first
+        # gives every parameter moments (a zero-gradient step at lr 0); those the file has none
+        # for are dropped again, so the resumed run saves what the uninterrupted one saves.
         set_optimizer_state_dict(
             self.policy.transformer, self.optimizer, full,
-            options=StateDictOptions(full_state_dict=True),
+            options=StateDictOptions(full_state_dict=True, strict=False),
         )  # fmt: skip
+        for name, param in self.parameters.items():
+            if name not in full["state"]:
+                self.optimizer.state.pop(param, None)
         self.state = _read_trainer_state(folder / TRAINER_STATE)
         if self.ema is not None:
             self._load_shadow(self.ema, folder / EMA_FOLDER)
