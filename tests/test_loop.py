@@ -171,12 +171,17 @@ main()
 
 
 def run_until(
-    run_root: Path, marker: Path | Callable[[], bool], *, pause_in: Path | None = None
+    run_root: Path,
+    marker: Path | Callable[[], bool],
+    *,
+    pause_in: Path | None = None,
+    command: list[str] | None = None,
 ) -> None:
     """Start the loop, SIGKILL it as soon as `marker` exists (or is true), or let it finish.
-    `pause_in`: every file written into that folder stalls before its rename."""
+    `pause_in`: every file written into that folder stalls before its rename. `command`: the
+    loop's command line, if not loop_command(run_root)'s."""
     happened = marker.exists if isinstance(marker, Path) else marker
-    command = loop_command(run_root)
+    command = list(command or loop_command(run_root))
     if pause_in is not None:
         command[1:3] = ["-c", _PAUSING_WRITER, str(pause_in)]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
