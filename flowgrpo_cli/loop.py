@@ -30,11 +30,18 @@ from flowgrpo_cli.launch.distributed import (
     resolve_device,
 )
 from flowgrpo_cli.ray_cluster import pool_scorer_in_rank
-from flowgrpo_cli.reporting.grid import GRID_GROUPS, GRID_PER_GROUP, GridItem, make_grid
+from flowgrpo_cli.reporting.grid import (
+    GRID_GROUPS,
+    GRID_PER_GROUP,
+    GridItem,
+    edit_cells,
+    make_grid,
+)
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.reporting.trackers import active_trackers, open_trackers, track
 from flowgrpo_cli.store.config import Config
 from flowgrpo_cli.store.contract import RolloutManifest, ScoreManifest
+from flowgrpo_cli.store.datatable import source_images
 from flowgrpo_cli.store.evaluations import best_evaluation, drift_by_evaluation, write_best
 from flowgrpo_cli.store.metrics_log import read_log, rebuild
 from flowgrpo_cli.store.retention import apply_retention
@@ -293,7 +300,8 @@ def write_logs(run: RunDir, last_iteration: int, config: Config) -> list[dict]:
 
 
 def write_iteration_grid(run: RunDir, iteration: int) -> None:
-    """samples/iter-N.png: the first images of the first groups, with their rewards.
+    """samples/iter-N.png: the first images of the first groups, with their rewards (an
+    editing run's: a row per group, the source image its prompt edits first).
 
     The rollout and score parts are checked against their manifests first (a grid is rebuilt
     from them on every start; right after the update that read them, the check is a stat, see
@@ -307,17 +315,17 @@ def write_iteration_grid(run: RunDir, iteration: int) -> None:
     rewards = read_table(score_parts, ["sample_id", "reward"]).to_pydict()
     reward_of = dict(zip(rewards["sample_id"], rewards["reward"], strict=True))
     items: list[GridItem] = []
-    per_group: dict[int, int] = {}
-    columns = ["sample_id", "group_id", "prompt", "ground_truth", "image"]
+    per_group: dict[int, list[GridItem]] = {}  # the groups shown, in order
+    prompt_of: dict[int, int] = {}  # group -> its prompt_index
+    columns = ["sample_id", "group_id", "prompt_index", "prompt", "ground_truth", "image"]
     parts = [rollout_dir / p for p in trajectory_parts]
     for batch in iter_batches(parts, columns):
         for row in batch.to_pylist():
             group = row["group_id"]
             if len(per_group) >= GRID_GROUPS and group not in per_group:
                 continue
-            if per_group.get(group, 0) >= GRID_PER_GROUP:
+            if len(per_group.get(group, [])) >= GRID_PER_GROUP:
                 continue
-            per_group[group] = per_group.get(group, 0) + 1
             if row["sample_id"] not in reward_of:
                 raise FlowGrpoError(
                     f"{', '.join(map(str, score_parts))}: no score for sample "
@@ -326,8 +334,16 @@ def write_iteration_grid(run: RunDir, iteration: int) -> None:
                 )
             reward = reward_of[row["sample_id"]]
             items.append(GridItem(row["image"], row["prompt"], row["ground_truth"], reward))
+            per_group.setdefault(group, []).append(items[-1])
+            prompt_of[group] = row["prompt_index"]
+    sources = source_images(run, "train", prompt_of.values())  # {}: text-to-image
+    cells: list[GridItem | None] = list(items)
+    width = GRID_PER_GROUP
+    if sources:  # an editing run: a row per group, its source image first
+        rows = [(sources[prompt_of[group]], shown) for group, shown in per_group.items()]
+        cells, width = edit_cells(rows, GRID_PER_GROUP), GRID_PER_GROUP + 1
     try:
-        grid = make_grid(items, columns=GRID_PER_GROUP)
+        grid = make_grid(cells, columns=width)
     except UnidentifiedImageError as err:
         raise FlowGrpoError(f"{rollout_dir}: an image is not a readable PNG ({err})") from None
     atomic_write_bytes(run.samples_path(iteration), grid)

@@ -5,8 +5,9 @@ as both DiffusionNFT's and AWM's evaluations), whatever solver the rollout uses.
 `RUN/eval/iter-N/` holds the evaluation of the policy that iteration N starts from, the policy
 after N updates (iter-0 is the base model): one Arrow part per rank (sample_id, prompt,
 ground_truth, image, rewards), metrics.json and the manifest; `samples/eval-iter-N.png` is its
-image grid. Its identity is the whole config's hash and the evaluated weights' version (`+ema`
-when they are the EMA), so the loop and `flowgrpo evaluate` find each other's evaluations.
+image grid (an editing run's shows each source image beside its edit). Its identity is the
+whole config's hash and the evaluated weights' version (`+ema` when they are the EMA), so the
+loop and `flowgrpo evaluate` find each other's evaluations.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flowgrpo_cli.engines.base import RolloutEngine, SampleRequest, batches
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.launch.distributed import dist_info
 from flowgrpo_cli.launch.stage import Finished, StageResult, run_stage, verify_inputs
-from flowgrpo_cli.reporting.grid import GridItem, make_grid
+from flowgrpo_cli.reporting.grid import GridItem, edit_cells, make_grid
 from flowgrpo_cli.reporting.progress import NullProgress, Progress
 from flowgrpo_cli.rewards.base import sample_metadata
 from flowgrpo_cli.store.config import Config, config_hash
@@ -202,7 +203,7 @@ def run(
 
     def finish(local: dict[str, float]) -> Finished:
         table = read_table([writer.dir / p for p in parts])
-        _write_grid(run, iteration, table)
+        _write_grid(run, iteration, table, requests)
         return Finished(
             metrics=_metrics(table, local["eval/seconds"]),
             parts=parts,
@@ -272,7 +273,18 @@ def _metrics(table: pa.Table, seconds: float) -> dict[str, float]:
     return metrics
 
 
-def _write_grid(run: RunDir, iteration: int, table: pa.Table) -> None:
+def _write_grid(
+    run: RunDir, iteration: int, table: pa.Table, requests: list[SampleRequest]
+) -> None:
+    """samples/eval-iter-N.png: the first GRID_IMAGES images, four a row; an editing run's
+    two a row, each after the source image it edits."""
     rows = table.slice(0, GRID_IMAGES).to_pylist()
     items = [GridItem(r["image"], r["prompt"], r["ground_truth"], r["reward"]) for r in rows]
-    atomic_write_bytes(run.eval_samples_path(iteration), make_grid(items))
+    source_of = {r.sample_id: r.source_image for r in requests}
+    sources = [s for r in rows if (s := source_of[r["sample_id"]]) is not None]
+    if sources and len(sources) == len(rows):
+        pairs = [(source, [item]) for source, item in zip(sources, items, strict=True)]
+        grid = make_grid(edit_cells(pairs, 1), columns=4)
+    else:
+        grid = make_grid(items)
+    atomic_write_bytes(run.eval_samples_path(iteration), grid)

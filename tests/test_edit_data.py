@@ -1,8 +1,10 @@
 """Editing data sets from prompt file to reward: `prepare` reads each row's source image (a path
 in jsonl / csv, bytes in parquet), checks it and keeps it as PNG with its input's SHA-256;
 rollout hands it to the qwenimage_edit adapter, score and the plugins get it as
-`source_images`; a text-to-image model with edit prompts, or the reverse, stops at once."""
+`source_images`; a text-to-image model with edit prompts, or the reverse, stops at once. The
+grids and the report show each source image beside its results."""
 
+import base64
 import hashlib
 import io
 import json
@@ -336,3 +338,102 @@ def test_the_wrong_family_for_the_data_stops_the_rollout(make_run, tmp_path):
     config, run = make_run(family="qwenimage_edit", name="text")  # the default text prompts
     with pytest.raises(FlowGrpoError, match=r"prepare an editing data set.*`image` column"):
         do_rollout(config, run)
+
+
+def shown(png: bytes, height: int) -> np.ndarray:
+    """An image as make_grid draws it: scaled to the cell's width."""
+    from flowgrpo_cli.reporting.grid import CELL
+
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB").resize((CELL, height)))
+
+
+def test_grids_and_report_show_each_source_beside_its_results(make_run, tmp_path):
+    """One iteration, evaluated before and after: each row of the training grid is a group,
+    its prompt's source image first; the evaluation grid shows each source before its edit,
+    two pairs a row; pixel for pixel where make_grid puts them. The report explains it and
+    inlines both grids, linked to their PNGs."""
+    from html.parser import HTMLParser
+
+    from helpers import small_edit_sources
+
+    from flowgrpo_cli.loop import run_loop
+    from flowgrpo_cli.reporting.grid import CAPTION_LINES, CELL, LINE_HEIGHT
+    from flowgrpo_cli.reporting.report import THUMBNAIL_WIDTH, write_report
+    from flowgrpo_cli.stages.evaluate import evaluation_requests
+    from flowgrpo_cli.store.datatable import source_images
+    from flowgrpo_cli.store.rundir import ROLLOUT
+    from flowgrpo_cli.store.trajectory import read_table
+
+    train = edit_jsonl(tmp_path)
+    config, run = make_run(
+        f"data.train={train}", f"data.test={train}", "sampler.guidance_scale=1.0",
+        "eval.every=1", "eval.num_steps=2", "eval.guidance_scale=1.0",
+        family="qwenimage_edit",
+    )  # fmt: skip
+    with small_edit_sources():
+        run_loop(config, run, 1)
+    # Rows as tall as a 64 x 64 result shown CELL wide; a 12 x 9 source is shown 3/4 as tall.
+    row, source_height = CELL + CAPTION_LINES * LINE_HEIGHT + 6, CELL * 9 // 12
+
+    def cell(grid: Image.Image, column: int, number: int, height: int) -> np.ndarray:
+        x, y = column * CELL, number * row
+        return np.asarray(grid.crop((x, y, x + CELL, y + height)))
+
+    rollout = read_table(sorted(run.stage_dir(0, ROLLOUT).glob("part-*.arrow")),
+                         ["group_id", "prompt_index", "image"]).to_pylist()  # fmt: skip
+    groups: dict[int, list[dict]] = {}
+    for sample in rollout:
+        groups.setdefault(sample["group_id"], []).append(sample)
+    sources = source_images(run, "train", [s["prompt_index"] for s in rollout])
+    grid = Image.open(run.samples_path(0))
+    assert grid.size == (5 * CELL, len(groups) * row)  # the source and up to 4 results a row
+    for number, samples in enumerate(groups.values()):
+        expected = shown(sources[samples[0]["prompt_index"]], source_height)
+        assert np.array_equal(cell(grid, 0, number, source_height), expected)
+        for column, sample in enumerate(samples, 1):
+            assert np.array_equal(cell(grid, column, number, CELL), shown(sample["image"], CELL))
+        assert (cell(grid, len(samples) + 1, number, row) == 255).all()  # blank after them
+
+    requests = evaluation_requests(config, run)
+    evaluated = read_table(sorted(run.eval_dir(1).glob("part-*.arrow")), ["image"]).to_pylist()
+    grid = Image.open(run.eval_samples_path(1))
+    assert grid.size == (4 * CELL, 2 * row) and len(requests) == len(evaluated) == 4
+    for k, (request, result) in enumerate(zip(requests, evaluated, strict=True)):
+        number, column = k // 2, 2 * (k % 2)
+        expected = shown(request.source_image, source_height)
+        assert np.array_equal(cell(grid, column, number, source_height), expected)
+        assert np.array_equal(cell(grid, column + 1, number, CELL), shown(result["image"], CELL))
+
+    class Page(HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.links: dict[str, str] = {}  # grid PNG -> the thumbnail inlined in its link
+            self.href = None
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "a":
+                self.href = attrs["href"]
+            elif tag == "img" and self.href is not None:
+                self.links[self.href] = attrs["src"]
+
+        def handle_endtag(self, tag):
+            if tag == "a":
+                self.href = None
+
+    html = write_report(run).read_text()
+    page = Page()
+    page.feed(html)
+    assert "An editing run: each row of a training grid starts with the source image" in html
+    wanted = ["iter-000000.png", "eval-iter-000000.png", "eval-iter-000001.png"]
+    assert sorted(page.links) == sorted(f"../samples/{name}" for name in wanted)
+    for href, src in page.links.items():
+        png = Image.open(run.root / "report" / href)
+        head, data = src.split(",", 1)
+        assert head == "data:image/jpeg;base64"
+        thumbnail = Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+        assert thumbnail.size[0] == min(THUMBNAIL_WIDTH, png.size[0])
+        # The thumbnail is the grid, source and results alike, scaled down (JPEG: to a few
+        # levels).
+        scaled = np.asarray(png.convert("RGB").resize(thumbnail.size), dtype=float)
+        assert np.abs(np.asarray(thumbnail, dtype=float) - scaled).mean() < 4

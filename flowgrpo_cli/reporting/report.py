@@ -1,7 +1,8 @@
 """`flowgrpo report RUN`: one self-contained HTML page (plots and grids inlined) plus PNG plots.
 
-Everything comes from RUN/metrics.jsonl and RUN/samples/, so a report can be made while a run
-is still going, or long after, and never needs the model. The page stays a few MB however long
+Everything comes from RUN/metrics.jsonl and RUN/samples/ (and whether RUN/data holds an editing
+data set, whose grids it then explains), so a report can be made while a run is still going, or
+long after, and never needs the model. The page stays a few MB however long
 the run: it inlines JPEG thumbnails of at most MAX_GRIDS training and MAX_GRIDS evaluation
 grids (the first, the last and evenly spaced between), each linking to its full-size PNG.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from flowgrpo_cli.errors import FlowGrpoError
 from flowgrpo_cli.reporting.render import describe_best
+from flowgrpo_cli.store.datatable import has_source_images
 from flowgrpo_cli.store.evaluations import METRIC, Best, best_of
 from flowgrpo_cli.store.metrics_log import read_log
 from flowgrpo_cli.store.rundir import RunDir, atomic_write_bytes, remove_temp_files
@@ -108,8 +110,16 @@ def _thumbnail(png: Path) -> bytes:
     return buffer.getvalue()
 
 
-def _grids(samples: Path) -> str:
-    """The chosen grids as thumbnails, each a link to its PNG (report/ sits beside samples/)."""
+EDIT_NOTE = (
+    "<p>An editing run: each row of a training grid starts with the source image (captioned "
+    "<em>source image</em>) that the results after it edit; an evaluation grid shows each "
+    "source image before its edit, two pairs a row.</p>"
+)
+
+
+def _grids(samples: Path, edits: bool) -> str:
+    """The chosen grids as thumbnails, each a link to its PNG (report/ sits beside samples/);
+    `edits`: the run edits source images, which its grids show."""
     if not samples.is_dir():
         return ""
     paths = sorted(samples.glob("*.png"))
@@ -117,6 +127,7 @@ def _grids(samples: Path) -> str:
     chosen = _spread([p for p in paths if p not in evals], MAX_GRIDS) + _spread(evals, MAX_GRIDS)
     skipped = len(paths) - len(chosen)
     note = f"<p>{skipped} more grids in <code>samples/</code>.</p>" if skipped else ""
+    note += EDIT_NOTE if edits else ""
     return note + "".join(
         f'<h3>{html.escape(p.stem)}</h3><a href="../samples/{html.escape(p.name)}">'
         f"{_img(_thumbnail(p), p.stem, 'image/jpeg')}</a>"
@@ -184,7 +195,7 @@ def write_report(run: RunDir) -> Path:
         png = _draw(plot, log)
         atomic_write_bytes(out / f"{plot.name}.png", png)
         plots.append(_img(png, plot.title))
-    grids = _grids(run.root / "samples")
+    grids = _grids(run.root / "samples", has_source_images(run))
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>flowgrpo report: {html.escape(run.root.name)}</title>
 <style>{STYLE}</style></head><body>

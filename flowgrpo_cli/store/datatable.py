@@ -94,6 +94,18 @@ def source_images(run: RunDir, split: str, indices: Iterable[int]) -> dict[int, 
     return found
 
 
+def has_source_images(run: RunDir) -> bool:
+    """Whether the run's prompts are an editing data set's (data/train.parquet has the
+    `source_image` column); False when the table is missing or unreadable."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return "source_image" in pq.read_schema(run.data_dir / "train.parquet").names
+    except (pa.ArrowException, OSError):
+        return False
+
+
 def _redo(run: RunDir) -> str:
     return f"delete {run.data_dir} and run `flowgrpo prepare` again"
 
