@@ -53,7 +53,7 @@ def _load(
     # colour_requests parses a GenEval record, raising a FlowGrpoError that names a bad key.
     parsed = read_prompt_file(
         path, needs_target, needs_record, check_record=colour_requests,
-        max_image_pixels=data.max_image_pixels,
+        max_image_pixels=data.max_image_pixels, source_size=data.source_size,
     )  # fmt: skip
     if parsed.problems and not data.skip_invalid:
         raise FlowGrpoError(

@@ -92,6 +92,46 @@ def test_jsonl_rows_keep_their_images_as_png_with_the_files_hash(tmp_path):
         assert digest == hashlib.sha256((tmp_path / f"images/{i}.png").read_bytes()).hexdigest()
 
 
+def test_source_size_resizes_every_source_and_lets_aspect_ratios_share_a_batch(
+    make_run, tmp_path
+):
+    """data.source_size stores each source resized as flow_grpo's edit trainers resize theirs
+    (PIL's default filter); without it two aspect ratios cannot share a rollout batch."""
+    from helpers import do_rollout, small_edit_sources
+
+    from flowgrpo_cli.errors import FlowGrpoError
+
+    (tmp_path / "images").mkdir()
+    arrays = [pixels(0, 24, 6), pixels(1, 6, 24)]  # 4:1 and 1:4
+    for i, array in enumerate(arrays):
+        (tmp_path / f"images/{i}.png").write_bytes(png(array))
+    rows = [{"prompt": EDITS[i], "image": f"images/{i}.png"} for i in range(2)]
+    train = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    assert prepare(tmp_path, train, "data.source_size=[20, 16]").exit_code == 0
+    for data, array in zip(stored(tmp_path)["source_image"], arrays, strict=True):
+        expected = np.asarray(Image.fromarray(array).resize((20, 16), Image.Resampling.BICUBIC))
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), expected)
+
+    with small_edit_sources():  # 4 images, both prompts, one rollout batch
+        config, run = make_run(
+            f"data.train={train}", f"data.test={train}", "data.source_size=[20, 16]",
+            family="qwenimage_edit",
+        )  # fmt: skip
+        do_rollout(config, run)
+        config, run = make_run(
+            f"data.train={train}", f"data.test={train}", family="qwenimage_edit", name="own"
+        )
+        with pytest.raises(FlowGrpoError, match=r"different aspect ratios.*data\.source_size"):
+            do_rollout(config, run)
+
+
+@pytest.mark.parametrize("size", ["[20]", "[20, 8]", "[20, 16, 3]"])
+def test_a_bad_source_size_names_the_key(tmp_path, size):
+    result = prepare(tmp_path, edit_jsonl(tmp_path), f"data.source_size={size}")
+    assert result.exit_code != 0
+    assert "data.source_size" in result.output and "[width, height]" in result.output
+
+
 def test_csv_paths_are_relative_to_the_file(tmp_path):
     folder = tmp_path / "data"
     write_images(folder)

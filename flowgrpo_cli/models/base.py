@@ -105,8 +105,10 @@ class Conditioning:
                 # (another aspect ratio) give token grids one forward cannot hold together.
                 raise FlowGrpoError(
                     f"cannot batch conditionings whose {name!r} have the shapes {shapes}: "
-                    "source images of different aspect ratios go into separate batches "
-                    "(sampler.batch_size within a group), or use one aspect ratio for all"
+                    "source images of different aspect ratios cannot share a batch: set "
+                    "data.source_size = [width, height] to resize every source to one size "
+                    "when prepare stores it (as flow_grpo's edit recipes do), or keep "
+                    "sampler.batch_size within a group"
                 )
             out[name] = torch.cat(tensors, dim=0)
         return Conditioning(out)

@@ -78,6 +78,14 @@ def _decay(v: float) -> str | None:
     return None if 0.0 <= v < 1.0 else "must be in [0, 1) (0 turns EMA off)"
 
 
+def _source_size(v: list[int]) -> str | None:
+    if not v:
+        return None
+    if len(v) != 2 or any(not isinstance(side, int) or side < 16 for side in v):
+        return "must be [] or [width, height], two whole numbers of pixels >= 16"
+    return None
+
+
 def _window_range(v: list[int]) -> str | None:
     if not v:
         return None
@@ -167,6 +175,14 @@ class DataSection:
         check=_at_least(1),
         # At its default it leaves the hash of runs prepared before the key existed alone.
         used_when=lambda data: data.max_image_pixels != MAX_IMAGE_PIXELS,
+    )
+    source_size: list[int] = _option(
+        [],
+        "[width, height]: resize every source image of an editing data set to this size when "
+        "prepare stores it (flow_grpo's edit recipes: [resolution, resolution]), so sources of "
+        "any aspect ratio share a batch; [] = keep each image's own size.",
+        check=_source_size,
+        used_when=lambda data: bool(data.source_size),
     )
 
 

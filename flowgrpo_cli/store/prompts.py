@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,11 +241,13 @@ def _with_image(
     return PromptProblem(row.source, f"image is not a path or image bytes: {_clip(repr(value))}")
 
 
-def _loaded_image(item: PromptRow | PromptProblem, max_pixels: int) -> PromptRow | PromptProblem:
+def _loaded_image(
+    item: PromptRow | PromptProblem, max_pixels: int, size: Sequence[int]
+) -> PromptRow | PromptProblem:
     if not isinstance(item, PromptRow) or item.image is None:
         return item
     try:
-        image = load_source_image(item.image, max_pixels)
+        image = load_source_image(item.image, max_pixels, size)
     except FlowGrpoError as err:
         return PromptProblem(item.source, str(err))
     return dataclasses.replace(item, source_image=image)
@@ -257,13 +259,15 @@ def read_prompt_file(
     needs_record: str | None = None,
     check_record: Callable[[dict], object] | None = None,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
+    source_size: Sequence[int] = (),
 ) -> PromptFile:
     """Parse one prompt file; raises FlowGrpoError for a file it cannot read at all.
     `needs_target` names the reward that needs every prompt to have a target, if any: a row
     without one is then a problem that says so; `needs_record` likewise for GenEval records.
     `check_record` raises FlowGrpoError for a GenEval record that is not well formed: that
     row is then a problem with its message. A source image that is missing, unreadable or
-    over `max_image_pixels` is a problem of its row too."""
+    over `max_image_pixels` is a problem of its row too; the others are resized to
+    `source_size` ([width, height]) when it is given."""
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise FlowGrpoError(f"prompt file {path} {what}")
@@ -279,7 +283,7 @@ def read_prompt_file(
             f"{path}: unsupported prompt file type {path.suffix!r} "
             f"(supported: {', '.join(SUPPORTED_SUFFIXES)})"
         )
-    items = [_loaded_image(item, max_image_pixels) for item in reader(path)]
+    items = [_loaded_image(item, max_image_pixels, source_size) for item in reader(path)]
     if needs_target is not None:
         items = [_require_target(item, needs_target) for item in items]
     if check_record is not None:

@@ -28,9 +28,13 @@ class SourceImage:
     sha256: str  # hex digest of the bytes read (the image file, or the parquet cell)
 
 
-def load_source_image(reference: Path | bytes, max_pixels: int) -> SourceImage:
-    """The image a prompt row names (a file) or holds (bytes), checked and made PNG; a
-    FlowGrpoError that says what is wrong with it (the caller adds the row)."""
+def load_source_image(
+    reference: Path | bytes, max_pixels: int, size: Sequence[int] = ()
+) -> SourceImage:
+    """The image a prompt row names (a file) or holds (bytes), checked and made PNG, resized to
+    `size` ([width, height]; empty: as it is) with PIL's default filter (bicubic), as
+    flow_grpo's edit trainers resize theirs; a FlowGrpoError that says what is wrong with it
+    (the caller adds the row)."""
     import hashlib
 
     from PIL import Image, ImageOps, UnidentifiedImageError
@@ -58,6 +62,8 @@ def load_source_image(reference: Path | bytes, max_pixels: int) -> SourceImage:
             raise FlowGrpoError(f"{what} is too large to open ({err}); {limit}") from None
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
             raise FlowGrpoError(f"{what} cannot be read as an image ({err})") from None
+    if size:
+        upright = upright.resize((size[0], size[1]))
     buffer = io.BytesIO()
     upright.save(buffer, format="PNG")
     return SourceImage(buffer.getvalue(), hashlib.sha256(data).hexdigest())
