@@ -377,7 +377,10 @@ def _is_main() -> bool:
 def tiny_model(
     out: Annotated[Path, typer.Argument(help="Folder to write the pipeline to.")],
     family: Annotated[
-        str, typer.Option(help="sd3, sd35, flux, flux-schnell, qwenimage or qwenimage_edit.")
+        str,
+        typer.Option(
+            help="sd3, sd35, flux, flux-schnell, qwenimage, qwenimage_edit or flux_kontext."
+        ),
     ] = "sd3",
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:

@@ -39,6 +39,7 @@ FAMILIES: dict[str, dict[str, str]] = {
     "qwenimage_edit": {
         "QwenImageEditPipeline": "flowgrpo_cli.models.qwenimage_edit:QwenImageEditAdapter"
     },
+    "flux_kontext": {"FluxKontextPipeline": "flowgrpo_cli.models.flux_kontext:FluxKontextAdapter"},
 }
 
 

@@ -178,8 +178,8 @@ class ModelAdapter(PipelinePlacement, ABC):
     from_pretrained loaded it.
     """
 
-    #: The family name ("sd3", "flux", "qwenimage" or "qwenimage_edit"), a key of
-    #: models.FAMILIES.
+    #: The family name ("sd3", "flux", "qwenimage", "qwenimage_edit" or "flux_kontext"), a
+    #: key of models.FAMILIES.
     family: ClassVar[str]
     #: Whether the family edits a source image (one per prompt, an input of `encode_prompts`)
     #: rather than generating from text alone.
@@ -579,7 +579,8 @@ def check_source_images(
         raise FlowGrpoError(
             f"The prompts come with source images (an editing data set), but the {family} "
             "model generates from text alone: set model.path to an editing model (the "
-            "qwenimage_edit family, e.g. Qwen/Qwen-Image-Edit)."
+            "qwenimage_edit family, e.g. Qwen/Qwen-Image-Edit, or flux_kontext, e.g. "
+            "black-forest-labs/FLUX.1-Kontext-dev)."
         )
     if len(source_images) != prompts:
         raise FlowGrpoError(f"Got {len(source_images)} source images for {prompts} prompts.")

@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     from PIL import Image
 
 
+FLUX_LORA_TARGETS = (
+    *JOINT_ATTENTION_LORA_TARGETS,
+    *("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
+)
+
+
 @dataclass(frozen=True)
 class FluxAdapter(PackedLatentAdapter):
     pipeline: FluxPipeline
@@ -45,8 +51,7 @@ class FluxAdapter(PackedLatentAdapter):
     def default_lora_targets(self) -> list[str]:
         """The reference's FLUX recipe: attention and the double-stream blocks' feed-forward
         layers (image and text streams); the single-stream blocks' MLP stays frozen."""
-        feed_forward = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
-        return [*JOINT_ATTENTION_LORA_TARGETS, *feed_forward]
+        return list(FLUX_LORA_TARGETS)
 
     @property
     def guidance_embeds(self) -> bool:
@@ -81,12 +86,14 @@ class FluxAdapter(PackedLatentAdapter):
     def _transformer_inputs(
         self, tokens: torch.Tensor, grids: list[tuple[int, int]], scale: float
     ) -> dict[str, Any]:
-        (grid,) = grids  # FLUX.1 generates from text alone: no source image grid
         guidance = None
         if self.guidance_embeds:
             batch = tokens.shape[0]
             guidance = torch.full((batch,), scale, device=tokens.device, dtype=torch.float32)
-        image_ids = _image_ids(*grid, tokens.device, tokens.dtype)  # [(h/2)(w/2), 3]
+        # One grid here; FLUX.1-Kontext appends its source image's, told apart by the first id.
+        image_ids = torch.cat(
+            [_image_ids(i, *grid, tokens.device, tokens.dtype) for i, grid in enumerate(grids)]
+        )  # [sum of rows x cols, 3]
         return {"guidance": guidance, "img_ids": image_ids}
 
     def _text_inputs(self, cond: Conditioning, prefix: str, tokens: torch.Tensor) -> dict[str, Any]:
@@ -99,9 +106,12 @@ class FluxAdapter(PackedLatentAdapter):
         }
 
 
-def _image_ids(rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Position ids (0, row, col) of the patch tokens, row-major: FLUX's 2-D RoPE input."""
-    grid = torch.zeros(rows, cols, 3)
+def _image_ids(
+    index: int, rows: int, cols: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """Position ids (index, row, col) of the patch tokens, row-major: FLUX's RoPE input. The
+    generated image's index is 0; FluxKontextPipeline gives its source image's tokens 1."""
+    grid = torch.full((rows, cols, 3), float(index))
     grid[..., 1] = torch.arange(rows)[:, None]
     grid[..., 2] = torch.arange(cols)[None, :]
     return grid.reshape(rows * cols, 3).to(device=device, dtype=dtype)

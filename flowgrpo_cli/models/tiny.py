@@ -213,10 +213,12 @@ def _build_sd3(*, sd35: bool):
     )
 
 
-def _build_flux(*, guidance_embeds: bool):
-    """guidance_embeds=True is FLUX.1-dev (guidance-distilled: the scale is a transformer input);
-    False is FLUX.1-schnell's architecture, where guidance can only be true CFG."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def _flux_components(*, guidance_embeds: bool) -> dict[str, Any]:
+    """What FluxPipeline and FluxKontextPipeline share: all of their components.
+    guidance_embeds=True is FLUX.1-dev and Kontext-dev (guidance-distilled: the scale is a
+    transformer input); False is FLUX.1-schnell's architecture, where guidance can only be
+    true CFG."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextModel
 
     transformer = FluxTransformer2DModel(
@@ -231,15 +233,29 @@ def _build_flux(*, guidance_embeds: bool):
         guidance_embeds=guidance_embeds,
         axes_dims_rope=(4, 6, 6),  # sums to the head dim
     )
-    return FluxPipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
-        vae=_autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159),
-        text_encoder=CLIPTextModel(_clip_config()),
-        tokenizer=char_clip_tokenizer(),
-        text_encoder_2=_t5_encoder(),
-        tokenizer_2=char_t5_tokenizer(),
-    )
+    return {
+        "transformer": transformer,
+        "scheduler": FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER),
+        "vae": _autoencoder_kl(scaling_factor=0.3611, shift_factor=0.1159),
+        "text_encoder": CLIPTextModel(_clip_config()),
+        "tokenizer": char_clip_tokenizer(),
+        "text_encoder_2": _t5_encoder(),
+        "tokenizer_2": char_t5_tokenizer(),
+    }
+
+
+def _build_flux(*, guidance_embeds: bool):
+    from diffusers import FluxPipeline
+
+    return FluxPipeline(**_flux_components(guidance_embeds=guidance_embeds))
+
+
+def _build_flux_kontext():
+    """FLUX.1-Kontext-dev: FLUX.1-dev's components in the edit pipeline. Its optional
+    image_encoder and feature_extractor (IP-Adapter) stay unset, as in the released folder."""
+    from diffusers import FluxKontextPipeline
+
+    return FluxKontextPipeline(**_flux_components(guidance_embeds=True))
 
 
 def _qwen_components() -> dict[str, Any]:
@@ -356,6 +372,7 @@ _BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
     "flux-schnell": lambda: _build_flux(guidance_embeds=False),
     "qwenimage": _build_qwenimage,
     "qwenimage_edit": _build_qwenimage_edit,
+    "flux_kontext": _build_flux_kontext,
 }
 
 #: What `build_tiny_pipeline` can build: one per family, plus SD3.5's block kinds and FLUX
