@@ -1,7 +1,8 @@
 """Editing data sets from prompt file to reward: `prepare` reads each row's source image (a path
 in jsonl / csv, bytes in parquet), checks it and keeps it as PNG with its input's SHA-256;
-rollout hands it to the qwenimage_edit adapter, score and the plugins get it as
-`source_images`; a text-to-image model with edit prompts, or the reverse, stops at once. The
+rollout hands it to an edit family's adapter (qwenimage_edit, flux_kontext), score and the
+plugins get it as `source_images`; a text-to-image model with edit prompts, or the reverse,
+stops at once. The
 grids and the report show each source image beside its results."""
 
 import base64
@@ -23,6 +24,10 @@ from flowgrpo_cli.cli import app
 runner = CliRunner()
 JPEG = "reward.weights={jpeg_compressibility = 1.0}"
 EDITS = ["make the sky red", "add a small cat", "turn it into a sketch", "remove the tree"]
+EDIT_FAMILIES = ["qwenimage_edit", "flux_kontext"]
+# Sources a loop edits: FluxKontextPipeline rounds their sides down to multiples of 16 pixels
+# before it reads their aspect ratio, so they must be at least that.
+LOOP_SOURCE = (48, 32)
 # 1 - mean |result - source| over RGB in [0, 1], the source resized to the result's size.
 PLUGIN = """
 import numpy as np
@@ -50,10 +55,12 @@ def png(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def write_images(folder: Path, count: int = len(EDITS)) -> list[np.ndarray]:
-    """images/0.png ... in `folder`, each a seeded random 12 x 9 RGB image."""
+def write_images(
+    folder: Path, count: int = len(EDITS), size: tuple[int, int] = (12, 9)
+) -> list[np.ndarray]:
+    """images/0.png ... in `folder`, each a seeded random RGB image of `size` (width, height)."""
     (folder / "images").mkdir(parents=True, exist_ok=True)
-    arrays = [pixels(i) for i in range(count)]
+    arrays = [pixels(i, *size) for i in range(count)]
     for i, array in enumerate(arrays):
         (folder / f"images/{i}.png").write_bytes(png(array))
     return arrays
@@ -64,8 +71,8 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def edit_jsonl(folder: Path) -> Path:
-    write_images(folder)
+def edit_jsonl(folder: Path, size: tuple[int, int] = (12, 9)) -> Path:
+    write_images(folder, size=size)
     rows = [{"prompt": p, "image": f"images/{i}.png"} for i, p in enumerate(EDITS)]
     return write_jsonl(folder / "edits.jsonl", rows)
 
@@ -278,8 +285,9 @@ def expected(row: dict, folder: Path) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", EDIT_FAMILIES)
 def test_two_loop_iterations_on_the_edit_model_reward_each_result_against_its_source(
-    make_run, tmp_path
+    make_run, tmp_path, family
 ):
     """The default algorithm, 2 prompts x 2 images an iteration, an evaluation of 2 held-out
     prompts before each iteration and after the last; every recorded reward is the plugin's
@@ -292,17 +300,20 @@ def test_two_loop_iterations_on_the_edit_model_reward_each_result_against_its_so
         return read_table(sorted(folder.glob("part-*.arrow")), columns).to_pylist()
 
     (tmp_path / "similarity.py").write_text(PLUGIN)
-    train = edit_jsonl(tmp_path)
+    train = edit_jsonl(tmp_path, size=LOOP_SOURCE)
     _, run = make_run(
         f"data.train={train}", f"data.test={train}", f'reward.plugin_dirs=["{tmp_path}"]',
         "reward.weights={'similarity:score' = 1.0}", "sampler.guidance_scale=1.0",
         "eval.every=2", "eval.num_prompts=2", "eval.num_steps=2", "eval.guidance_scale=1.0",
-        family="qwenimage_edit",
+        family=family,
     )  # fmt: skip
     result = runner.invoke(app, ["loop", "--run", str(run.root), "-n", "2"])
     assert result.exit_code == 0, result.output
     updates = [line for line in read_log(run) if any(k.startswith("update/") for k in line)]
     assert len(updates) == 2  # and a third line: the evaluation after the last update
+    # On-policy: the update's forwards (the stored source latents appended) give the rollout's
+    # log-probs back.
+    assert all(line["update/logprob_gap_max"] < 1e-6 for line in updates)
     assert (run.checkpoint_dir(1) / "manifest.json").is_file()
 
     for iteration in (0, 1):
@@ -366,16 +377,21 @@ def test_two_loop_iterations_on_the_edit_model_with_source_similarity(make_run, 
     assert (info["backbone"], info["model"]) == ("dino", str(dino))
 
 
-def test_the_wrong_family_for_the_data_stops_the_rollout(make_run, tmp_path):
+@pytest.mark.parametrize(
+    ("text_family", "edit_family"), [("qwenimage", "qwenimage_edit"), ("flux", "flux_kontext")]
+)
+def test_the_wrong_family_for_the_data_stops_the_rollout(
+    make_run, tmp_path, text_family, edit_family
+):
     from helpers import do_rollout
 
     from flowgrpo_cli.errors import FlowGrpoError
 
     train = edit_jsonl(tmp_path)
-    config, run = make_run(f"data.train={train}", f"data.test={train}", family="qwenimage")
+    config, run = make_run(f"data.train={train}", f"data.test={train}", family=text_family)
     with pytest.raises(FlowGrpoError, match=r"generates from text alone: set model\.path"):
         do_rollout(config, run)
-    config, run = make_run(family="qwenimage_edit", name="text")  # the default text prompts
+    config, run = make_run(family=edit_family, name="text")  # the default text prompts
     with pytest.raises(FlowGrpoError, match=r"prepare an editing data set.*`image` column"):
         do_rollout(config, run)
 
