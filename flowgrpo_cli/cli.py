@@ -1044,7 +1044,7 @@ def plan(
         str | None,
         typer.Option(
             help="Architecture to plan instead of model.path's: sd3.5-medium, flux.1-dev, "
-            "flux.1-schnell, qwen-image, or a local diffusers folder."
+            "flux.1-schnell, flux.1-kontext-dev, qwen-image, or a local diffusers folder."
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,

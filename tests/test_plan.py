@@ -80,6 +80,7 @@ PUBLISHED = {
         "vae": 83_819_683,
     },
     "flux.1-schnell": {"transformer": 11_891_178_560},  # no guidance embedding
+    "flux.1-kontext-dev": {"transformer": 11_901_408_320},  # FLUX.1-dev's, fine-tuned
     "qwen-image": {
         "transformer": 20_430_401_088,
         "text_encoder": 8_292_166_656,  # Qwen2.5-VL-7B-Instruct, vision tower included
@@ -97,6 +98,23 @@ def test_architectures_have_published_parameter_counts(name):
         transformer = arch.components["transformer"]
         assert transformer.parameters + transformer.buffers == 2_469_663_936
         assert arch.blocks == {"sd35_dual": 13, "sd3": 11}
+
+
+@pytest.mark.parametrize("family", ["qwenimage_edit", "flux_kontext"])
+def test_edit_families_plan_their_source_image(family, make_run, tiny_model_dir):
+    """The source's tokens lengthen every forward; its latents are stored once per prompt."""
+    config, _ = make_run(family=family)
+    arch = resolve_architecture(str(tiny_model_dir(family)))
+    # About 1 MP (the pipelines' resize) in 2x2 patches of 8 x 8 pixel latents.
+    assert arch.source_tokens == 1024 * 1024 // 16**2
+    assert arch.source_elements == 16 * 1024 * 1024 // 8**2
+    plan = plan_run(config, iterations=2)
+    rollout = dict(plan.memory["rollout"].items)
+    forward = next(name for name in rollout if name.startswith("transformer forward"))
+    assert "16 image (+ 4096 of the source)" in forward  # 64 x 64: 4 x 4 patches
+    assert rollout["text and source-image conditioning of the rank's 2 prompts"] >= (
+        2 * arch.source_elements * 4  # float32 tiny model
+    )
 
 
 def test_lora_and_optimizer_bytes_worked_by_hand(make_run):

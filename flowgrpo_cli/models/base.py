@@ -184,6 +184,9 @@ class ModelAdapter(PipelinePlacement, ABC):
     #: Whether the family edits a source image (one per prompt, an input of `encode_prompts`)
     #: rather than generating from text alone.
     takes_source_image: ClassVar[bool] = False
+    #: About how many pixels the pipeline resizes a source image to (0: the family takes
+    #: none): what `flowgrpo plan` counts the source image's tokens from.
+    source_pixels: ClassVar[int] = 0
     #: max_shift of the resolution-dependent time shift when the scheduler config has none:
     #: the pipeline's own default (StableDiffusion3Pipeline's is 1.16).
     default_max_shift: ClassVar[float] = 1.15

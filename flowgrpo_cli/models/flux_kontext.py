@@ -49,6 +49,8 @@ class FluxKontextAdapter(FluxAdapter):
     pipeline: FluxKontextPipeline  # type: ignore[assignment]
     family: ClassVar[str] = "flux_kontext"
     takes_source_image: ClassVar[bool] = True
+    # Every preferred Kontext resolution is about 1 MP (1024 x 1024 for a square source).
+    source_pixels: ClassVar[int] = 1024 * 1024
 
     @property
     def default_lora_targets(self) -> list[str]:

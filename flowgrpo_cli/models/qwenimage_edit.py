@@ -97,6 +97,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
     pipeline: QwenImageEditPipeline  # type: ignore[assignment]
     family: ClassVar[str] = "qwenimage_edit"
     takes_source_image: ClassVar[bool] = True
+    source_pixels: ClassVar[int] = SOURCE_AREA
 
     def _encode_prompts(
         self,

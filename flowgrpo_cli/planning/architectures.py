@@ -4,8 +4,8 @@
 model_index.json and each component's config.json; no weight file is opened), a hub id whose
 configs sit in the local hub cache, or one of the published architectures kept in
 flowgrpo_cli/models/architectures/*.json (SD3.5-Medium, FLUX.1-dev, FLUX.1-schnell,
-Qwen-Image; public config values, no weights). Each component is then built on the meta
-device, which allocates nothing, and its parameters and buffers counted.
+FLUX.1-Kontext-dev, Qwen-Image; public config values, no weights). Each component is then
+built on the meta device, which allocates nothing, and its parameters and buffers counted.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class Architecture:
 
     name: str  # the published architecture's name, or the folder
     source: str  # how it was found, for the plan's header
-    family: str  # sd3, flux, qwenimage
+    family: str  # sd3, flux, qwenimage, qwenimage_edit, flux_kontext
     components: dict[str, Component]
     transformer_config: dict[str, Any]
     vae_scale_factor: int
@@ -129,16 +129,37 @@ class Architecture:
         factor = self.vae_scale_factor
         return (channels, height // factor, width // factor)
 
+    @property
+    def base_family(self) -> str:
+        """The family whose blocks, text encoders and guidance this one has: an edit family's
+        text-to-image family, else its own."""
+        return EDIT_FAMILY_BASES.get(self.family, self.family)
+
     def image_tokens(self, height: int, width: int) -> int:
         _, h, w = self.latent_shape(height, width)
         return (h // 2) * (w // 2)  # SD3's 2x2 patches, FLUX / Qwen-Image's 2x2 packing
 
+    @property
+    def source_tokens(self) -> int:
+        """Tokens of an edit family's source image (0 for the others): its latents, packed
+        2x2, follow the generated tokens in every forward."""
+        return self.adapter_class().source_pixels // (self.vae_scale_factor * 2) ** 2
+
+    @property
+    def source_elements(self) -> int:
+        """Elements of an edit family's source latents, stored once per prompt."""
+        channels = latent_channels(self.family, self.transformer_config)
+        return channels * self.adapter_class().source_pixels // self.vae_scale_factor**2
+
     def default_lora_targets(self) -> list[str]:
+        return list(self.adapter_class().default_lora_targets.fget(None))  # no pipeline needed
+
+    def adapter_class(self) -> Any:
+        """The family's adapter class (its class attributes need no pipeline)."""
         from flowgrpo_cli.models import FAMILIES
 
         module, name = next(iter(FAMILIES[self.family].values())).split(":")
-        adapter = getattr(importlib.import_module(module), name)
-        return list(adapter.default_lora_targets.fget(None))  # no pipeline needed
+        return getattr(importlib.import_module(module), name)
 
     def lora(self, targets: list[str], rank: int) -> tuple[int, int]:
         """(parameters, tensors) of a LoRA adapter of `rank` on `targets`: attached with peft
@@ -165,6 +186,10 @@ class Architecture:
             trained = [p for p in module.parameters() if p.requires_grad]
             self._lora[key] = (sum(p.numel() for p in trained), len(trained))
         return self._lora[key]
+
+
+# An edit family plans as the text-to-image family it extends, plus its source image's tokens.
+EDIT_FAMILY_BASES = {"qwenimage_edit": "qwenimage", "flux_kontext": "flux"}
 
 
 def latent_channels(family: str, transformer_config: dict[str, Any]) -> int:
@@ -313,7 +338,7 @@ def build(
         raise FlowGrpoError(
             f"{source}: the transformer, {type(transformer).__name__}, is not a diffusers model"
         )
-    blocks, largest, inside = _blocks(family, transformer)
+    blocks, largest, inside = _blocks(EDIT_FAMILY_BASES.get(family, family), transformer)
     scale = vae_scale_factor(configs.get("vae", {})) or 8  # diffusers' default VAE: 4 levels
     widths = {
         n: int(

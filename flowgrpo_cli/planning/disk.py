@@ -79,9 +79,11 @@ def disk_items(
     latents = latent_bytes_per_iteration(config, shape)
     per_forward, forwards = cfg_layout(arch, config.sampler.guidance_scale)
     negative = 2 if per_forward * forwards > 1 else 1
-    cells = 2  # embeddings + pooled (Qwen-Image: + mask) per prompt
-    conditioning = (
-        algorithm.prompts_per_iteration * negative * (s.cond_elements * 4 + cells * NPY_HEADER)
+    # embeddings + pooled (Qwen-Image: + mask) per prompt and negative; an edit family's
+    # source latents once per prompt
+    cells = 2 * negative + (s.source_elements > 0)
+    conditioning = algorithm.prompts_per_iteration * (
+        s.conditioning(negative) * 4 + cells * NPY_HEADER
     )
     keep = config.run.keep_trajectories
     kept = n if keep < 0 else min(n, keep + 1)  # the kept ones and the one in progress
@@ -120,8 +122,8 @@ def disk_items(
             latents * kept,
         ),
         DiskItem(
-            f"text conditioning (float32, once per prompt{' + negative' if negative > 1 else ''}"
-            f"; kept as the latents)",
+            f"{s.conditioning_name} (float32, once per prompt"
+            f"{' + negative' if negative > 1 else ''}; kept as the latents)",
             conditioning,
             conditioning * kept,
         ),

@@ -66,17 +66,34 @@ class Shapes:
     dtype: str
     element: int  # bytes per element of model.dtype
     nproc: int
-    image_tokens: int
+    image_tokens: int  # the generated image's
     text_tokens: int
     text_note: str
-    cond_elements: int  # one prompt's conditioning elements (without the negative's)
+    cond_elements: int  # one prompt's text conditioning elements (without the negative's)
     latent_elements: int
     pixels: int
     cuda: bool
     trained: int  # trained parameters (LoRA or the whole transformer)
     trained_bytes: int  # their dtype: float32 for LoRA, model.dtype for full
     trained_tensors: int
+    # An edit family's source image: its tokens follow the generated ones in every forward,
+    # its latents are stored once per prompt (none for the negative prompt).
+    source_tokens: int = 0
+    source_elements: int = 0
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def sequence_image_tokens(self) -> int:
+        """Image tokens of one transformer sequence: the generated image's and the source's."""
+        return self.image_tokens + self.source_tokens
+
+    @property
+    def conditioning_name(self) -> str:
+        return "text and source-image conditioning" if self.source_elements else "text conditioning"
+
+    def conditioning(self, negative: int) -> int:
+        """Elements of one prompt's stored conditioning; negative = 2 with negative prompts."""
+        return self.cond_elements * negative + self.source_elements
 
 
 def text_tokens(config: Config, arch: Architecture) -> tuple[int, str]:
@@ -85,20 +102,25 @@ def text_tokens(config: Config, arch: Architecture) -> tuple[int, str]:
     if arch.family == "sd3":
         t5 = length or 256
         return 77 + t5, f"77 CLIP + {t5} T5 tokens"
-    if arch.family == "flux":
+    if arch.base_family == "flux":
         t5 = length or 512
         return t5, f"{t5} T5 tokens"
     assumed = min(128, length or 1024)
-    return assumed, (
+    note = (
         f"{assumed} tokens assumed (Qwen-Image's embeddings are as long as the prompt, at "
         "most model.max_sequence_length)"
     )
+    if arch.family == "qwenimage_edit":
+        # Qwen2.5-VL reads the source with the prompt: one token per 28 x 28 pixels.
+        vision = arch.adapter_class().source_pixels // 28**2
+        return assumed + vision, f"{note} + {vision} of the source image"
+    return assumed, note
 
 
 def conditioning_elements(config: Config, arch: Architecture, tokens: int) -> int:
     """Elements of one prompt's stored conditioning (without its negative's)."""
     joint = int(arch.transformer_config["joint_attention_dim"])
-    if arch.family == "qwenimage":
+    if arch.base_family == "qwenimage":
         return tokens * joint + tokens  # the embeddings and their mask
     return tokens * joint + int(arch.transformer_config["pooled_projection_dim"])
 
@@ -144,6 +166,8 @@ def shapes(config: Config, arch: Architecture) -> Shapes:
         trained=trained,
         trained_bytes=trained_bytes,
         trained_tensors=tensors,
+        source_tokens=arch.source_tokens,
+        source_elements=arch.source_elements,
     )
 
 
@@ -151,7 +175,7 @@ def cfg_layout(arch: Architecture, guidance_scale: float) -> tuple[int, int]:
     """(samples per forward per image, forwards per step) of the family's guidance: SD3
     batches [uncond; cond] into one forward; Qwen-Image and FLUX without guidance embedding
     run true CFG as a second forward; FLUX.1-dev's guidance is an input of the one forward."""
-    if guidance_scale <= 1.0 or (arch.family == "flux" and arch.guidance_embeds):
+    if guidance_scale <= 1.0 or (arch.base_family == "flux" and arch.guidance_embeds):
         return 1, 1
     return (2, 1) if arch.family == "sd3" else (1, 2)
 
@@ -174,27 +198,27 @@ def saved_activations(arch: Architecture, config: Config, s: Shapes, samples: in
     """Bytes a forward with gradient over `samples` sequences keeps for backward."""
     unit = arch.inner * s.element * samples
     per_block = sum(
-        count * (c["saved_image"] * s.image_tokens + c["saved_text"] * s.text_tokens)
+        count * (c["saved_image"] * s.sequence_image_tokens + c["saved_text"] * s.text_tokens)
         for count, c in _constants(arch, config)
     )
     outside = max(c["saved_outside"] for _, c in _constants(arch, config))
-    return int(unit * (per_block + outside * (s.image_tokens + s.text_tokens)))
+    return int(unit * (per_block + outside * (s.sequence_image_tokens + s.text_tokens)))
 
 
 def backward_extra(arch: Architecture, config: Config, s: Shapes, samples: int) -> int:
-    unit = arch.inner * s.element * samples * (s.image_tokens + s.text_tokens)
+    unit = arch.inner * s.element * samples * (s.sequence_image_tokens + s.text_tokens)
     return int(unit * max(c["backward_extra"] for _, c in _constants(arch, config)))
 
 
 def forward_work(arch: Architecture, config: Config, s: Shapes, samples: int) -> int:
     """Peak bytes of a forward without gradient over `samples` sequences."""
-    unit = arch.inner * s.element * samples * (s.image_tokens + s.text_tokens)
+    unit = arch.inner * s.element * samples * (s.sequence_image_tokens + s.text_tokens)
     return int(unit * max(c["work"] for _, c in _constants(arch, config)))
 
 
 def vae_decode(arch: Architecture, s: Shapes, images: int) -> int:
     _load_constants()
-    kind = "qwen" if arch.family == "qwenimage" else "sd3"
+    kind = "qwen" if arch.base_family == "qwenimage" else "sd3"
     precision = "float32" if s.dtype == "float32" else "bfloat16"
     return int(VAE_DECODE[f"{kind}/{precision}"] * s.pixels * images * s.element)
 
@@ -292,11 +316,12 @@ def _sampling(
 ) -> list[tuple[str, int]]:
     per_forward, forwards = cfg_layout(arch, guidance)
     negative = 2 if per_forward * forwards > 1 else 1
-    cond = batch * s.cond_elements * negative * s.element
+    cond = batch * s.conditioning(negative) * s.element
+    source = f" (+ {s.source_tokens} of the source)" if s.source_tokens else ""
     forward = [
         (
             f"transformer forward, no grad: {batch} x {per_forward} sequences of "
-            f"{s.image_tokens} image + {s.text_tokens} text tokens",
+            f"{s.image_tokens} image{source} + {s.text_tokens} text tokens",
             forward_work(arch, config, s, batch * per_forward),
         ),
         ("conditioning of the batch", cond),
@@ -322,8 +347,8 @@ def _rollout(config, arch, s: Shapes, base, trained: int) -> StageMemory:
     items = list(base)
     items.append(
         (
-            f"text conditioning of the rank's {groups} prompts",
-            groups * s.cond_elements * negative * s.element,
+            f"{s.conditioning_name} of the rank's {groups} prompts",
+            groups * s.conditioning(negative) * s.element,
         )
     )
     if algorithm_for(config).samples_with_anchor:
@@ -353,7 +378,7 @@ def _update(config, arch, s: Shapes, base, trained: int) -> StageMemory:
     items.append(
         (
             "conditioning of a micro-batch (float32, as stored)",
-            micro * s.cond_elements * negative * 4,
+            micro * s.conditioning(negative) * 4,
         )
     )
     items.append(
@@ -397,8 +422,8 @@ def _evaluate(config, arch, s: Shapes, base, trained: int) -> StageMemory:
     batch = min(config.sampler.batch_size, mine)
     items.append(
         (
-            f"text conditioning of the rank's {mine} evaluation prompts",
-            mine * s.cond_elements * negative * s.element,
+            f"{s.conditioning_name} of the rank's {mine} evaluation prompts",
+            mine * s.conditioning(negative) * s.element,
         )
     )
     items += _sampling(config, arch, s, config.eval.guidance_scale, batch, 0)
