@@ -2,8 +2,7 @@
 in jsonl / csv, bytes in parquet), checks it and keeps it as PNG with its input's SHA-256;
 rollout hands it to an edit family's adapter (qwenimage_edit, flux_kontext), score and the
 plugins get it as `source_images`; a text-to-image model with edit prompts, or the reverse,
-stops at once. The
-grids and the report show each source image beside its results."""
+stops at once. The grids and the report show each source image beside its results."""
 
 import base64
 import hashlib
@@ -99,9 +98,7 @@ def test_jsonl_rows_keep_their_images_as_png_with_the_files_hash(tmp_path):
         assert digest == hashlib.sha256((tmp_path / f"images/{i}.png").read_bytes()).hexdigest()
 
 
-def test_source_size_resizes_every_source_and_lets_aspect_ratios_share_a_batch(
-    make_run, tmp_path
-):
+def test_source_size_resizes_every_source_and_lets_aspect_ratios_share_a_batch(make_run, tmp_path):
     """data.source_size stores each source resized as flow_grpo's edit trainers resize theirs
     (PIL's default filter); without it two aspect ratios cannot share a rollout batch."""
     from helpers import do_rollout, small_edit_sources
