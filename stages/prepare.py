@@ -99,13 +99,19 @@ def _split(
     return train, test
 
 
+def _sample_key(row: PromptRow) -> tuple[str, str | None]:
+    """What makes two rows the same task: the prompt, and an edit's source image (one
+    instruction given for two images is two edits)."""
+    return row.prompt, row.source_image.sha256 if row.source_image is not None else None
+
+
 def _duplicates(rows: list[PromptRow]) -> list[dict[str, Any]]:
-    counts = Counter(row.prompt for row in rows)
-    firsts: dict[str, list[str]] = {}
+    counts = Counter(_sample_key(row) for row in rows)
+    firsts: dict[tuple[str, str | None], list[str]] = {}
     for row in rows:
-        if counts[row.prompt] > 1:
-            firsts.setdefault(row.prompt, []).append(row.source)
-    return [{"prompt": prompt, "sources": sources} for prompt, sources in firsts.items()]
+        if counts[_sample_key(row)] > 1:
+            firsts.setdefault(_sample_key(row), []).append(row.source)
+    return [{"prompt": key[0], "sources": sources} for key, sources in firsts.items()]
 
 
 def _table(rows: list[PromptRow], data: Any):  # -> pyarrow.Table
@@ -220,8 +226,8 @@ def run(config: Config, run: RunDir) -> StageResult:
         manifest = require_manifest(run.data_dir, PREPARE.command)
         return StageResult(manifest, _metrics(manifest), fresh=False)
 
-    test_prompts = {row.prompt for row in test}
-    overlap = sorted({row.prompt for row in train if row.prompt in test_prompts})
+    test_keys = {_sample_key(row) for row in test}
+    overlap = sorted({row.prompt for row in train if _sample_key(row) in test_keys})
     for name, table in tables.items():
         row_group = IMAGE_ROW_GROUP if "source_image" in table.column_names else None
         with atomic_file(writer.part_path(f"{name}.parquet")) as handle:

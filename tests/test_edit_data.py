@@ -129,6 +129,22 @@ def test_source_size_resizes_every_source_and_lets_aspect_ratios_share_a_batch(m
             do_rollout(config, run)
 
 
+def test_one_instruction_on_two_images_is_no_duplicate(tmp_path):
+    """An edit is the instruction and its source: the same words for another image are a
+    different row, the same words for the same image a duplicate (and a train-test overlap)."""
+    write_images(tmp_path, 2)
+    rows = [{"prompt": "remove the tree", "image": f"images/{i}.png"} for i in (0, 1, 0)]
+    train = write_jsonl(tmp_path / "train.jsonl", rows)
+    test = write_jsonl(tmp_path / "test.jsonl", rows[1:2])
+    args = ["prepare", "--run", str(tmp_path / "run"), "--train", str(train), "--test", str(test)]
+    result = runner.invoke(app, [*args, "--set", JPEG])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "run/data/manifest.json").read_text())["summary"]
+    where = [f"{train}:1", f"{train}:3"]
+    assert summary["duplicates"]["train"] == [{"prompt": "remove the tree", "sources": where}]
+    assert summary["train_test_overlap"] == ["remove the tree"]  # image 1, in both
+
+
 @pytest.mark.parametrize("size", ["[20]", "[20, 8]", "[20, 16, 3]"])
 def test_a_bad_source_size_names_the_key(tmp_path, size):
     result = prepare(tmp_path, edit_jsonl(tmp_path), f"data.source_size={size}")
