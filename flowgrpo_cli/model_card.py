@@ -398,6 +398,9 @@ def _reproduce_lines(
         f"    num_inference_steps={steps},",
         f"    height={height},",
         f"    width={width},",
+        # FluxKontextPipeline scales height x width to max_area (1 MP unless given): this keeps
+        # it at the size the run generated at.
+        *([f"    max_area={height * width},"] if base.family == "flux_kontext" else []),
         *([f"    max_sequence_length={length},"] if length else []),
         '    generator=torch.Generator("cpu").manual_seed(seed),',
         ").images[0]",

@@ -260,16 +260,16 @@ def test_a_run_starts_from_an_existing_lora(make_run, tmp_path):
 
 
 def load_edit_pipeline(folder, lora=None):
-    """QwenImageEditPipeline as DiffusionPipeline.from_pretrained loads `folder`, its processor
-    handed in image-only (what load_adapter does: this machine's CPU torch has no torchvision,
-    without which transformers will not build the processor's video half)."""
+    """The edit pipeline as DiffusionPipeline.from_pretrained loads `folder`; Qwen-Image-Edit's
+    processor handed in image-only (what load_adapter does: this machine's CPU torch has no
+    torchvision, without which transformers will not build the processor's video half)."""
     from diffusers import DiffusionPipeline
 
     from flowgrpo_cli.models.qwenimage_edit import load_processor
 
-    pipe = DiffusionPipeline.from_pretrained(
-        folder, dtype=torch.float32, processor=load_processor(Path(folder) / "processor")
-    )
+    processor = Path(folder) / "processor"
+    components = {"processor": load_processor(processor)} if processor.is_dir() else {}
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32, **components)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.load_lora_weights(lora)
@@ -298,7 +298,10 @@ def card_edit(card: str, pipe, loads: list[str], folder: Path) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_exported_edit_folders_reproduce_the_policys_edit(make_run, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwenimage_edit", "flux_kontext"])
+def test_exported_edit_folders_reproduce_the_policys_edit(
+    make_run, tiny_model_dir, tmp_path, family
+):
     """A LoRA trained on the tiny edit model, exported as a LoRA folder and merged: the card's
     code, with QwenImageEditPipeline loaded from either, redraws the policy's noise-free
     evaluation edit of test prompt 0 (its source image, its seed, true CFG); the merged folder
@@ -314,7 +317,9 @@ def test_exported_edit_folders_reproduce_the_policys_edit(make_run, tiny_model_d
     config, run = make_run(
         f"data.train={train}", f"data.test={train}", "train.lora_rank=4", "train.lora_alpha=12",
         "train.lr=0.05", "sampler.guidance_scale=1.0", "eval.num_steps=3",
-        f"eval.guidance_scale={guidance}", family="qwenimage_edit",
+        f"eval.guidance_scale={guidance}", family=family,
+        # Kontext takes sources of at least 16 x 16 pixels; the sample's are 12 x 9.
+        *(["data.source_size=[32, 24]"] if family == "flux_kontext" else []),
     )  # fmt: skip
     with small_edit_sources():  # the weights trained do not depend on the source's size
         _, trainer = do_iteration(config, run)
@@ -331,7 +336,7 @@ def test_exported_edit_folders_reproduce_the_policys_edit(make_run, tiny_model_d
         base_edit = sample_batch(policy.adapter, cond, [request.seed], settings, sigmas).images
     assert (edit - base_edit).abs().max().item() > 1e-2  # training moved the edit
 
-    base = tiny_model_dir("qwenimage_edit")
+    base = tiny_model_dir(family)
     load = 'pipe = DiffusionPipeline.from_pretrained("{}", dtype=torch.float32)'
     lora_lines = [
         load.format(base.name) + "  # the base model: a local folder, give your copy's path",
@@ -347,7 +352,10 @@ def test_exported_edit_folders_reproduce_the_policys_edit(make_run, tiny_model_d
         assert result.exit_code == 0, result.output
         card = (out / "README.md").read_text()
         assert "- image-to-image" in card and "pipe(image=source, prompt=" in card
-        assert f"    true_cfg_scale={guidance!r},\n    negative_prompt=''," in card
+        if family == "qwenimage_edit":  # true CFG
+            assert f"    true_cfg_scale={guidance!r},\n    negative_prompt=''," in card
+        else:  # Kontext's embedded guidance, at the size the run generated at
+            assert f"    guidance_scale={guidance!r}," in card and "max_area=4096," in card
         # The source image the card's code edits: the one the run stored, shipped beside it.
         assert (out / f"{request.sample_id}-source.png").read_bytes() == request.source_image
         pipe = load_edit_pipeline(base, out) if name == "lora" else load_edit_pipeline(out)
@@ -356,8 +364,10 @@ def test_exported_edit_folders_reproduce_the_policys_edit(make_run, tiny_model_d
 
     merged = tmp_path / "exports" / "merged"
     index = (merged / "model_index.json").read_text()
-    assert '"Qwen2VLProcessor"' in index and "flowgrpo" not in index
-    assert "flowgrpo" not in (merged / "processor" / "processor_config.json").read_text()
+    assert "flowgrpo" not in index
+    if family == "qwenimage_edit":
+        assert '"Qwen2VLProcessor"' in index
+        assert "flowgrpo" not in (merged / "processor" / "processor_config.json").read_text()
     ours = load_adapter(merged, dtype=torch.float32, device="cpu")
     x = torch.randn(1, *ours.latent_shape(64, 64), generator=torch.Generator().manual_seed(0))
     sigma = torch.full((1,), 0.5)
