@@ -3,39 +3,26 @@
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
+from test_qwenimage_edit import (
+    HEIGHT,
+    NEGATIVES,
+    PROMPTS,
+    SEEDS,
+    STEPS,
+    WIDTH,
+    settings,
+    sources,
+)  # fmt: skip
 
-from flowgrpo_cli.algorithm.schedule import build_step_schedule
 from flowgrpo_cli.engines.sampling import sample_batch
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.models import Conditioning
-from flowgrpo_cli.store.contract import SamplerSettings
 
-PROMPTS = ["make the sky red", "add a small cat"]
-NEGATIVES = ["", "blurry"]
-SEEDS = [3, 4]
-# Output not square and not the source's size. The 120 x 90 sources round down to 112 x 80
-# (ratio 1.4), whose nearest Kontext resolution is 1184 x 880.
-HEIGHT, WIDTH, STEPS = 64, 96, 3
+# The edit test module's prompts, seeds and sources: 120 x 90 sources round down to 112 x 80
+# (ratio 1.4), whose nearest Kontext resolution is 1184 x 880; the output, 64 x 96, is neither
+# square nor the source's size.
 SOURCE_SIZE = (1184, 880)
-
-
-def sources(size=(120, 90)):
-    rng = np.random.default_rng(0)
-    return [
-        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
-        for _ in PROMPTS
-    ]
-
-
-def settings(guidance_scale):
-    return SamplerSettings(
-        kind="sde", noise_level=0.0, guidance_scale=guidance_scale, height=HEIGHT, width=WIDTH,
-        schedule=build_step_schedule(STEPS),
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -103,20 +90,6 @@ def test_source_tokens_follow_with_first_position_id_1(tiny_adapter):
     ids = adapter._transformer_inputs(tokens, [(2, 3), (1, 2)], 2.5)["img_ids"]
     expected = [[0, r, c] for r in range(2) for c in range(3)] + [[1, 0, 0], [1, 0, 1]]
     assert ids.tolist() == expected
-
-
-def test_the_source_image_changes_the_velocity_and_rows_stack(tiny_adapter):
-    adapter = tiny_adapter("flux_kontext")
-    first, second = sources()
-    rows = [
-        adapter.encode_prompts([PROMPTS[0]], None, guidance_scale=2.5, source_images=[image])
-        for image in (first, second)
-    ]
-    cond = Conditioning.cat(rows)  # one row per group, stacked for a batch
-    x = adapter.initial_latents([torch.Generator().manual_seed(0)] * 2, HEIGHT, WIDTH)
-    v = adapter.velocity(x, torch.full((2,), 0.5), cond, guidance_scale=2.5)
-    assert v.shape == x.shape
-    assert not torch.allclose(v[0], v[1])  # same prompt and noise, other source image
 
 
 def test_kontext_refuses_prompts_without_source_images(tiny_adapter):

@@ -64,16 +64,17 @@ def test_noise_level_zero_equals_the_edit_pipeline(tiny_adapter, guidance_scale)
     assert (ours - theirs).abs().max().item() < 1e-5
 
 
-def test_the_source_image_changes_the_velocity_and_rows_stack(tiny_adapter):
-    adapter = tiny_adapter("qwenimage_edit")
+@pytest.mark.parametrize(("family", "guidance"), [("qwenimage_edit", 1.0), ("flux_kontext", 2.5)])
+def test_the_source_image_changes_the_velocity_and_rows_stack(tiny_adapter, family, guidance):
+    adapter = tiny_adapter(family)
     first, second = sources()
     rows = [
-        adapter.encode_prompts([PROMPTS[0]], None, guidance_scale=1.0, source_images=[image])
+        adapter.encode_prompts([PROMPTS[0]], None, guidance_scale=guidance, source_images=[image])
         for image in (first, second)
     ]
     cond = Conditioning.cat(rows)  # one row per group, stacked for a batch
     x = adapter.initial_latents([torch.Generator().manual_seed(0)] * 2, HEIGHT, WIDTH)
-    v = adapter.velocity(x, torch.full((2,), 0.5), cond, guidance_scale=1.0)
+    v = adapter.velocity(x, torch.full((2,), 0.5), cond, guidance_scale=guidance)
     assert v.shape == x.shape
     assert not torch.allclose(v[0], v[1])  # same prompt and noise, other source image
 
