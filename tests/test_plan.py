@@ -134,7 +134,7 @@ def test_lora_and_optimizer_bytes_worked_by_hand(make_run):
     assert sum(p.numel() for p in policy.trainable_parameters()) == 7_680
 
 
-@pytest.mark.parametrize("family", ["sd35", "flux", "qwenimage"])
+@pytest.mark.parametrize("family", ["sd35", "flux", "qwenimage", "flux_kontext"])
 def test_weights_match_the_loaded_pipeline(family, tiny_model_dir):
     from flowgrpo_cli.models import load_adapter
 
