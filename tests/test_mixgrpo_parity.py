@@ -331,7 +331,8 @@ def test_one_noise_per_group_needs_step_noise(make_run):
 
 # config_hash of each example before these keys existed (commit e5f1c0b), its paths as the file
 # writes them. The FLUX MixGRPO recipes are left out: they set these keys, on purpose; and
-# sd35m_ocr_nft.toml, which now rolls out with sampler.ode_solver (tests/test_ode_solver.py).
+# sd35m_ocr_nft.toml, which now rolls out with sampler.ode_solver (tests/test_ode_solver.py);
+# and the toy trajectory configs (rl, rl_grpo_guard, rl_mixgrpo), which now sample with CPS.
 HASHES_BEFORE = {
     "defaults": "dbe6feaca0e2d3aa",
     "examples/flux_dev_ocr.toml": "b67da2d598b5ff37",
@@ -341,10 +342,7 @@ HASHES_BEFORE = {
     "examples/sd35m_ocr_grpo_guard.toml": "3506385523e5b384",
     "examples/sd35m_ocr_pickscore.toml": "02b8d532f1498ad6",
     "examples/tiny.toml": "20d0f3c1bf345653",
-    "examples/toy_ocr/rl.toml": "4e14a8dd89d29352",
     "examples/toy_ocr/rl_awm.toml": "14ec0ed024ec5b7e",
-    "examples/toy_ocr/rl_grpo_guard.toml": "2b21917b75169c29",
-    "examples/toy_ocr/rl_mixgrpo.toml": "fd3fe8951092ee00",
     "examples/toy_ocr/rl_nft.toml": "61417422924e721b",
 }
 NEW_KEYS_AT_DEFAULT = (
