@@ -317,9 +317,10 @@ def test_exported_edit_folders_reproduce_the_policys_edit(
     config, run = make_run(
         f"data.train={train}", f"data.test={train}", "train.lora_rank=4", "train.lora_alpha=12",
         "train.lr=0.05", "sampler.guidance_scale=1.0", "eval.num_steps=3",
-        f"eval.guidance_scale={guidance}", family=family,
+        f"eval.guidance_scale={guidance}",
         # Kontext takes sources of at least 16 x 16 pixels; the sample's are 12 x 9.
         *(["data.source_size=[32, 24]"] if family == "flux_kontext" else []),
+        family=family,
     )  # fmt: skip
     with small_edit_sources():  # the weights trained do not depend on the source's size
         _, trainer = do_iteration(config, run)
