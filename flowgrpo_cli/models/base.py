@@ -241,11 +241,26 @@ class ModelAdapter(PipelinePlacement, ABC):
         negatives = None
         if self.runs_cfg(guidance_scale):
             negatives = negatives_for(prompts, negative_prompts)
+        # An edit family's sources at the pipeline's size, for its text encoder and its VAE.
+        sources = None
+        if source_images is not None:
+            sources = [self.resized_source(image) for image in source_images]
         with self._system_prompt(system_prompt):
             tensors = self._encode_prompts(
-                prompts, negatives, sequence_length_kwargs(max_sequence_length), source_images
+                prompts, negatives, sequence_length_kwargs(max_sequence_length), sources
             )
+        if sources is not None:  # encoded once per prompt, kept with its conditioning
+            tensors["image_latents"] = torch.cat([self._encode_source(image) for image in sources])
         return Conditioning(tensors)
+
+    def resized_source(self, image: Image.Image) -> Image.Image:
+        """An edit family's source image at its pipeline's size for it."""
+        raise NotImplementedError(f"the {self.family} family takes no source image")
+
+    def _encode_source(self, image: Image.Image) -> torch.Tensor:
+        """An edit family's VAE latents [1, C, h', w'] of a resized source image, as its
+        pipeline's prepare_latents makes them (before it packs them)."""
+        raise NotImplementedError(f"the {self.family} family takes no source image")
 
     def _system_prompt(self, system_prompt: str | None) -> AbstractContextManager[None]:
         """What `encode_prompts` encodes in: here, a refusal of any system prompt."""
@@ -262,7 +277,8 @@ class ModelAdapter(PipelinePlacement, ABC):
     ) -> dict[str, torch.Tensor]:
         """The pipeline's encode_prompt of `prompts`, and of `negatives` unless None, keyed by
         the pipeline's names; `length` is its max_sequence_length keyword (or none). `sources`:
-        the source images of an edit family (one per prompt), None for the others."""
+        the source images of an edit family (one per prompt, resized by `resized_source`), None
+        for the others; `encode_prompts` adds their latents."""
 
     def initial_latents(
         self, generators: list[torch.Generator], height: int, width: int

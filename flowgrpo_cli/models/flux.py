@@ -67,7 +67,7 @@ class FluxAdapter(PackedLatentAdapter):
         prompts: list[str],
         negatives: list[str] | None,
         length: SequenceLength,
-        sources: Sequence[Image.Image] | None,  # None: encode_prompts refuses any here
+        sources: Sequence[Image.Image] | None,  # the text encoders never see a source image
     ) -> dict[str, torch.Tensor]:
         # The text ids the pipeline returns are all zeros: velocity makes them from the length.
         embeds, pooled, _ = self.pipeline.encode_prompt(

@@ -23,7 +23,6 @@ group and the update reads them back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -36,7 +35,6 @@ from diffusers.pipelines.flux.pipeline_flux_kontext import (
 )
 
 from flowgrpo_cli.errors import FlowGrpoError
-from flowgrpo_cli.models.base import SequenceLength
 from flowgrpo_cli.models.flux import FLUX_LORA_TARGETS, FluxAdapter
 
 if TYPE_CHECKING:
@@ -58,20 +56,6 @@ class FluxKontextAdapter(FluxAdapter):
         targets plus the single-stream blocks' MLP input projection."""
         return [*FLUX_LORA_TARGETS, "proj_mlp"]
 
-    def _encode_prompts(
-        self,
-        prompts: list[str],
-        negatives: list[str] | None,
-        length: SequenceLength,
-        sources: Sequence[Image.Image] | None,
-    ) -> dict[str, torch.Tensor]:
-        if sources is None:  # encode_prompts refuses this first
-            raise ValueError("flux_kontext encodes prompts with their source images")
-        tensors = super()._encode_prompts(prompts, negatives, length, None)
-        latents = [self._encode_source(self.resized_source(image)) for image in sources]
-        tensors["image_latents"] = torch.cat(latents)
-        return tensors
-
     def resized_source(self, image: Image.Image) -> Image.Image:
         """The source image at the pipeline's size for it: the preferred Kontext resolution
         whose aspect ratio is nearest the image's (sides multiples of the VAE factor x 2)."""
@@ -91,8 +75,6 @@ class FluxKontextAdapter(FluxAdapter):
         return processor.resize(image.convert("RGB"), height, width)
 
     def _encode_source(self, image: Image.Image) -> torch.Tensor:
-        """VAE latents [1, C, h', w'] of a resized source image, as the pipeline's
-        prepare_latents makes them (before it packs them)."""
         vae = self.pipeline.vae
         width, height = image.size
         pixels = self.pipeline.image_processor.preprocess(image, height, width)  # [1, 3, H, W]

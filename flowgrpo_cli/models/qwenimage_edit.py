@@ -108,12 +108,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
     ) -> dict[str, torch.Tensor]:
         if sources is None:  # encode_prompts refuses this first
             raise ValueError("qwenimage_edit encodes prompts with their source images")
-        images = [self.resized_source(image) for image in sources]
-        # The pipeline encodes the negative prompt with the same source image.
-        tensors = self._encode("prompt", prompts, length, image=images)
+        # The text encoder reads the resized source with the prompt, and with the negative.
+        tensors = self._encode("prompt", prompts, length, image=list(sources))
         if negatives is not None:
-            tensors |= self._encode("negative_prompt", negatives, length, image=images)
-        tensors["image_latents"] = torch.cat([self._encode_source(image) for image in images])
+            tensors |= self._encode("negative_prompt", negatives, length, image=list(sources))
         return tensors
 
     def save_pretrained(self, folder: Path) -> None:
